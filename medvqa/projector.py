@@ -1,0 +1,99 @@
+"""The trained two-layer GELU projector: image features (d_v) -> decoder embeddings (d_l).
+
+The only module of the VQA model with trainable parameters. Its weights are stored as safetensors
+under the Hugging Face LLaVA key names `multi_modal_projector.linear_1.*` / `linear_2.*`, so an
+exported checkpoint needs no renaming.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+PREFIX = "multi_modal_projector."
+
+
+class ProjectorShapeError(ValueError):
+    """A projector file does not fit the configured encoder/decoder widths."""
+
+
+class Projector(nn.Module):
+    def __init__(self, vision_size: int, hidden_size: int, text_size: int, normalize_input: bool = False):
+        super().__init__()
+        self.normalize_input = normalize_input
+        self.linear_1 = nn.Linear(vision_size, hidden_size)
+        self.act = nn.GELU()  # exact (erf) GELU, as Hugging Face's "gelu"
+        self.linear_2 = nn.Linear(hidden_size, text_size)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, N, d_v) -> (B, N, d_l)
+        if self.normalize_input:
+            # Encoder features have very different scales across channels and images; a unit-RMS
+            # token keeps the projector's input well conditioned. No parameters: nothing to export.
+            features = F.rms_norm(features, (features.shape[-1],))
+        return self.linear_2(self.act(self.linear_1(features)))
+
+    def save(self, path: str | Path, metadata: dict | None = None) -> None:
+        tensors = {PREFIX + name: tensor.detach().to("cpu", torch.float32).contiguous()
+                   for name, tensor in self.state_dict().items()}
+        meta = {"normalize_input": json.dumps(self.normalize_input)}
+        meta.update({key: json.dumps(value) for key, value in (metadata or {}).items()})
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+
+    def load(self, path: str | Path) -> "Projector":
+        """Load weights saved by `save` (or mapped from LLaVA-Med); shapes must match exactly."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"Projector weights not found at {path}.")
+        with safe_open(str(path), framework="pt") as handle:
+            state = {key[len(PREFIX):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(PREFIX)}
+        expected = self.state_dict()
+        if set(state) != set(expected):
+            raise ProjectorShapeError(
+                f"{path} holds projector keys {sorted(state)}; expected {sorted(expected)} "
+                f"(prefixed with {PREFIX!r}).")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ProjectorShapeError(
+                    f"{path}: {PREFIX}{name} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(expected[name].shape)} (vision {self.linear_1.in_features} -> hidden "
+                    f"{self.linear_1.out_features} -> text {self.linear_2.out_features}).")
+        self.load_state_dict(state)
+        return self
+
+
+def read_metadata(path: str | Path) -> dict:
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
+
+
+def map_llava_med_projector(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LLaVA-Med v1.5 stores its projector as `model.mm_projector.{0,2}` (nn.Sequential with GELU at
+    index 1); return the same tensors under our `multi_modal_projector.linear_{1,2}` names."""
+    names = {"model.mm_projector.0.weight": "linear_1.weight", "model.mm_projector.0.bias": "linear_1.bias",
+             "model.mm_projector.2.weight": "linear_2.weight", "model.mm_projector.2.bias": "linear_2.bias"}
+    missing = [key for key in names if key not in state]
+    if missing:
+        raise ProjectorShapeError(f"LLaVA-Med checkpoint lacks projector tensors {missing}.")
+    return {PREFIX + ours: state[theirs] for theirs, ours in names.items()}
+
+
+def convert_llava_med_projector(checkpoint_files: list[str | Path], out_path: str | Path) -> Path:
+    """Pull the projector out of LLaVA-Med's safetensors shards into our file layout."""
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key.startswith("model.mm_projector."):
+                    state[key] = handle.get_tensor(key).to(torch.float32)
+    mapped = map_llava_med_projector(state)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in mapped.items()}, str(out_path),
+              metadata={"normalize_input": "false", "source": json.dumps("llava-med")})
+    return Path(out_path)

@@ -1,0 +1,145 @@
+"""Projector training: encoder and decoder frozen, loss on the answer tokens only.
+
+Two facts make this fast enough for a 2-core CPU:
+- Image features are computed once per image and cached on disk (keyed by image content and
+  encoder), so an epoch never runs the vision encoder.
+- Every training prompt starts with the same system message, which does not depend on the image or
+  the projector. Its key/value cache is computed once without gradients and shared by every batch,
+  so each step runs the decoder only over image tokens, question and answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from .datasets import VQAExample
+from .decoder import Decoder
+from .prompt import PromptBuilder
+from .vision import VisionEncoder, pool_tokens
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """Benchmark images are plain 8-bit JPEGs; decode them as the app's imaging module does."""
+    from .imaging import load_scan
+
+    return load_scan(str(path)).pixels
+
+
+def encoder_key(vision: VisionEncoder, settings_vision) -> str:
+    return f"{settings_vision.kind}-{Path(str(settings_vision.name_or_path)).name}-{vision.image_size}"
+
+
+class FeatureCache:
+    """Unpooled encoder features per image, one safetensors file each under `folder/<encoder key>/`."""
+
+    def __init__(self, folder: str | Path, vision: VisionEncoder, key: str):
+        self.folder = Path(folder) / key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.vision = vision
+
+    def features(self, image: np.ndarray) -> torch.Tensor:
+        """(N, d_v) float32 features of an RGB image, from disk when seen before."""
+        digest = hashlib.sha256(np.ascontiguousarray(image).tobytes() + str(image.shape).encode()).hexdigest()
+        path = self.folder / f"{digest[:32]}.safetensors"
+        if path.is_file():
+            return load_file(str(path))["features"].float()
+        pooled, self.vision.pooled_tokens = self.vision.pooled_tokens, 0
+        try:
+            features = self.vision.encode(self.vision.preprocess([image]))[0]  # (N, d_v), unpooled
+        finally:
+            self.vision.pooled_tokens = pooled
+        save_file({"features": features.to(torch.float16).contiguous()}, str(path))
+        return features.float()
+
+
+@dataclass
+class TrainExample:
+    features: torch.Tensor  # (N, d_v) unpooled
+    token_ids: list[int]  # after the shared prefix
+    image_mask: list[bool]
+    labels: list[int]  # -100 except the answer tokens
+
+
+def shared_prefix_length(builder: PromptBuilder) -> int:
+    """Number of leading prompt tokens before the image (identical for every example)."""
+    prompt = builder.build("x", answer="x")
+    return prompt.image_mask.index(True)
+
+
+def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Tensor, prefix: int) -> TrainExample:
+    prompt_only = builder.build(example.question)
+    full = builder.build(example.question, answer=example.answer)
+    # The template renders the answer followed by its end marker; both are supervised, nothing else.
+    answer_start = len(prompt_only)
+    labels = [-100] * answer_start + full.token_ids[answer_start:]
+    # Drop the template's trailing newline after the end-of-turn marker from supervision.
+    end_tokens = builder.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    if end_tokens and full.token_ids[-len(end_tokens):] == end_tokens:
+        labels[-len(end_tokens):] = [-100] * len(end_tokens)
+    return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:])
+
+
+def prefix_cache_tensors(decoder: Decoder, builder: PromptBuilder, prefix: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = builder.build("x", answer="x").token_ids[:prefix]
+    with torch.no_grad():
+        out = decoder.model(inputs_embeds=decoder.embed(ids), use_cache=True)
+    return [(layer.keys, layer.values) for layer in out.cache.layers]
+
+
+def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
+               n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
+               rng: random.Random | None = None) -> torch.Tensor:
+    from transformers import DynamicCache
+
+    size = len(batch)
+    length = max(len(item.token_ids) for item in batch)
+    pad = decoder.tokenizer.pad_token_id or 0
+    ids = torch.full((size, length), pad, dtype=torch.long)
+    labels = torch.full((size, length), -100, dtype=torch.long)
+    image_mask = torch.zeros((size, length), dtype=torch.bool)
+    attention = torch.zeros((size, prefix + length), dtype=torch.long)
+    attention[:, :prefix] = 1
+    features = []
+    for row, item in enumerate(batch):
+        n = len(item.token_ids)
+        ids[row, :n] = torch.tensor(item.token_ids)
+        labels[row, :n] = torch.tensor(item.labels)
+        image_mask[row, :n] = torch.tensor(item.image_mask)
+        attention[row, prefix:prefix + n] = 1
+        use_blank = blank_features is not None and rng is not None and rng.random() < drop_image
+        features.append(blank_features if use_blank else item.features)
+    stacked = torch.stack(features)  # (B, N_full, d_v)
+    if n_tokens and n_tokens != stacked.shape[1]:
+        stacked = pool_tokens(stacked, n_tokens)  # (B, n_tokens, d_v)
+    image_tokens = projector(stacked)  # (B, n, d_l)
+    embeds = decoder.model.get_input_embeddings()(ids).clone()  # (B, T, d_l)
+    embeds[image_mask] = image_tokens.reshape(-1, image_tokens.shape[-1]).to(embeds.dtype)
+    cache = DynamicCache(config=decoder.model.config)
+    for layer_index, (keys, values) in enumerate(prefix_kv):
+        cache.update(keys.expand(size, -1, -1, -1), values.expand(size, -1, -1, -1), layer_index)
+    positions = torch.arange(prefix, prefix + length).unsqueeze(0).expand(size, -1)
+    # Run the transformer body, then the vocabulary head only where a label is predicted: the head
+    # (49k x 576 for SmolLM2) over every position would cost a fifth of the step for nothing.
+    hidden = decoder.model.model(inputs_embeds=embeds, attention_mask=attention, cache=cache,
+                                 position_ids=positions, use_cache=True).last_hidden_state  # (B, T, d_l)
+    targets = labels[:, 1:]  # token t+1 is predicted from position t
+    predicting = targets != -100
+    logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
+    return torch.nn.functional.cross_entropy(logits, targets[predicting])
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))

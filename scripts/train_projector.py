@@ -1,0 +1,172 @@
+"""Train the projector (the only trained part); the encoder and decoder stay frozen.
+
+    python scripts/train_projector.py --profile offline --data vqa-rad:train slake:train \
+        --epochs 1 --max-minutes 60 --out weights/offline
+
+Writes OUT/projector.safetensors and OUT/card.json; OUT/checkpoint.pt lets an interrupted run resume
+(--resume). Image features are cached on disk under the settings' cache folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.datasets import load_examples  # noqa: E402
+from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
+from medvqa.device import pick_device  # noqa: E402
+from medvqa.pipeline import build_projector  # noqa: E402
+from medvqa.prompt import PromptBuilder  # noqa: E402
+from medvqa.training import (FeatureCache, batch_loss, encoder_key, lr_at, make_example,  # noqa: E402
+                             prefix_cache_tensors, read_image, shared_prefix_length)
+from medvqa.vision import build_vision  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=PROFILES, default="offline")
+    parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
+                        help="DATASET:SPLIT pairs (vqa-rad, slake) or jsonl:DIR:SPLIT")
+    parser.add_argument("--out", default=None, help="output folder (default: the profile's weights folder)")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=float, default=0.03, help="share of steps spent warming up")
+    parser.add_argument("--tokens", type=int, default=None, help="image tokens (pooled); default: profile's")
+    parser.add_argument("--hidden", type=int, default=None, help="projector bottleneck width")
+    parser.add_argument("--normalize-input", action="store_true", help="RMS-normalise encoder features")
+    parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = load_settings(args.profile)
+    if args.tokens is not None:
+        settings.vision.pooled_tokens = args.tokens
+    if args.hidden is not None:
+        settings.projector.hidden_size = args.hidden
+    settings.projector.normalize_input = args.normalize_input
+    settings.projector.weights = ""  # start from scratch (or the checkpoint)
+    out = Path(args.out or Path(settings.projector.weights or f"weights/{args.profile}/x").parent)
+    if args.out is None:
+        out = Path(load_settings(args.profile).projector.weights).parent
+    out.mkdir(parents=True, exist_ok=True)
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    hub_offline_env(settings.offline)
+    device = pick_device(settings.device)
+    dtype = torch.float32  # measured: bf16 autocast is several times slower on CPUs without native bf16
+    vision = build_vision(settings.vision, device, dtype, settings.offline)
+    decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
+    projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device)
+    n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
+    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
+
+    examples = []
+    for spec in args.data:
+        parts = spec.split(":")
+        dataset, split = parts[0], parts[-1]
+        data_dir = parts[1] if len(parts) == 3 else None
+        examples += load_examples(dataset, data_dir, split)
+    cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
+    prefix = shared_prefix_length(builder)
+    features_by_image: dict[Path, torch.Tensor] = {}
+    train = []
+    for example in tqdm(examples, desc="image features", unit="q"):
+        if example.image not in features_by_image:
+            features_by_image[example.image] = cache.features(read_image(example.image))
+        train.append(make_example(builder, example, features_by_image[example.image], prefix))
+    blank = cache.features(torch.zeros(64, 64, 3, dtype=torch.uint8).numpy())
+    prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
+
+    steps_per_epoch = len(train) // args.batch_size
+    total_steps = max(1, int(steps_per_epoch * args.epochs))
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    warmup = max(1, int(total_steps * args.warmup))
+    optimizer = torch.optim.AdamW(projector.parameters(), lr=args.lr, weight_decay=0.0)
+    step, elapsed_before, losses = 0, 0.0, []
+    checkpoint_path = out / "checkpoint.pt"
+    if args.resume and checkpoint_path.is_file():
+        state = torch.load(checkpoint_path, weights_only=False)
+        projector.load_state_dict(state["projector"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed_before, losses = state["step"], state["elapsed"], state["losses"]
+        random.setstate(state["python_rng"])
+        print(f"resumed at step {step}/{total_steps}")
+
+    order_rng = random.Random(args.seed)
+    orders = []  # a fixed shuffled order per epoch, so a resumed run sees the same batches
+    for _ in range(int(args.epochs) + 1):
+        order = list(range(len(train)))
+        order_rng.shuffle(order)
+        orders.append(order)
+    drop_rng = random.Random(args.seed + 1)
+    for _ in range(step * args.batch_size):
+        drop_rng.random()
+
+    projector.train()
+    started = time.time()
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step")
+    stopped_early = False
+    while step < total_steps:
+        epoch, within = divmod(step, steps_per_epoch)
+        indices = orders[epoch][within * args.batch_size:(within + 1) * args.batch_size]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, total_steps, args.lr, warmup)
+        loss = batch_loss(decoder, projector, [train[i] for i in indices], prefix_kv, prefix, n_tokens,
+                          blank, args.drop_image, drop_rng)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        step += 1
+        recent = sum(losses[-50:]) / len(losses[-50:])
+        bar.set_postfix(loss=f"{recent:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}")
+        bar.update(1)
+        minutes = (elapsed_before + time.time() - started) / 60
+        if step % 100 == 0 or step == total_steps or (args.max_minutes and minutes >= args.max_minutes):
+            torch.save({"projector": projector.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "elapsed": elapsed_before + time.time() - started, "losses": losses,
+                        "python_rng": random.getstate()}, checkpoint_path)
+        if args.max_minutes and minutes >= args.max_minutes and step < total_steps:
+            stopped_early = True
+            break
+    bar.close()
+
+    wall = elapsed_before + time.time() - started
+    card = {
+        "profile": args.profile, "data": args.data, "examples": len(train), "steps": step,
+        "planned_steps": total_steps, "epochs": round(step / max(1, steps_per_epoch), 3),
+        "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens,
+        "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
+                      "text": decoder.hidden_size, "normalize_input": args.normalize_input},
+        "drop_image": args.drop_image, "seed": args.seed,
+        "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
+        "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
+        "command": "python " + " ".join(sys.argv),
+    }
+    projector.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
+    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card))
+
+
+if __name__ == "__main__":
+    main()
