@@ -89,7 +89,7 @@ class Settings:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    cache_dir: str = os.environ.get("MEDVQA_CACHE", str(Path.home() / ".cache" / "medvqa"))
+    cache_dir: str = str(Path.home() / ".cache" / "medvqa")  # converted models, features, tiny models
     offline: bool = True  # never reach a model hub; fail with a message instead
     seed: int = 0
 
@@ -97,9 +97,10 @@ class Settings:
         return dataclasses.asdict(self)
 
 
-def _offline_profile() -> Settings:
+def _offline_profile(cache_dir: str) -> Settings:
     return Settings(
         profile="offline",
+        cache_dir=cache_dir,
         vision=VisionConfig(kind="efficientnet_lite0", image_size=224, pooled_tokens=16),
         projector=ProjectorConfig(hidden_size=512,
                                   weights=str(REPO_ROOT / "weights" / "offline" / "projector.safetensors")),
@@ -108,9 +109,10 @@ def _offline_profile() -> Settings:
     )
 
 
-def _llava_med_profile() -> Settings:
+def _llava_med_profile(cache_dir: str) -> Settings:
     return Settings(
         profile="llava-med",
+        cache_dir=cache_dir,
         vision=VisionConfig(kind="clip", name_or_path="openai/clip-vit-large-patch14-336",
                             image_size=336, feature_layer=-2),
         # LLaVA-Med's own projector is 1024 -> 4096 -> 4096; its weights are mapped from the checkpoint.
@@ -124,10 +126,11 @@ def _llava_med_profile() -> Settings:
     )
 
 
-def _tiny_profile() -> Settings:
-    tiny_dir = Path(os.environ.get("MEDVQA_CACHE", str(Path.home() / ".cache" / "medvqa"))) / "tiny"
+def _tiny_profile(cache_dir: str) -> Settings:
+    tiny_dir = Path(cache_dir) / "tiny"
     return Settings(
         profile="tiny",
+        cache_dir=cache_dir,
         vision=VisionConfig(kind="clip", name_or_path=str(tiny_dir / "clip"), image_size=32, feature_layer=-2),
         projector=ProjectorConfig(hidden_size=24),
         decoder=DecoderConfig(name_or_path=str(tiny_dir / "llama"), max_new_tokens=12, context_window=1024),
@@ -145,7 +148,8 @@ def load_settings(profile: str | None = None, config_file: str | os.PathLike | N
     profile = profile or env.get("MEDVQA_PROFILE") or DEFAULT_PROFILE
     if profile not in _PROFILE_BUILDERS:
         raise ValueError(f"Unknown profile {profile!r}; choose one of {', '.join(PROFILES)}.")
-    settings = _PROFILE_BUILDERS[profile]()
+    cache_dir = env.get("MEDVQA_CACHE") or str(Path.home() / ".cache" / "medvqa")
+    settings = _PROFILE_BUILDERS[profile](cache_dir)
     config_file = config_file or env.get("MEDVQA_CONFIG")
     if config_file:
         overrides = json.loads(Path(config_file).read_text())

@@ -1,0 +1,104 @@
+"""Export the VQA model as a Hugging Face `LlavaForConditionalGeneration` checkpoint.
+
+vLLM and SGLang serve that class with paged attention, prefix caching and continuous batching, so a
+deployment that outgrows one process points them at the exported folder.
+
+The bottleneck projector (d_v -> h -> d_l with h < d_l) is exported exactly: LLaVA's projector is
+d_v -> d_l -> d_l, so `linear_1` gains d_l - h zero rows and `linear_2` as many zero columns. The
+extra hidden units compute GELU(0) = 0 and contribute nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .pipeline import Pipeline
+from .prompt import IMAGE_PLACEHOLDER
+from .vision import ClipVisionEncoder
+
+
+class ExportError(ValueError):
+    pass
+
+
+def padded_projector_state(projector, text_size: int) -> dict[str, torch.Tensor]:
+    hidden = projector.linear_1.out_features
+    if hidden > text_size:
+        raise ExportError(f"The projector's hidden width {hidden} exceeds the decoder width {text_size}; "
+                          f"LLaVA's projector cannot hold it exactly.")
+    vision = projector.linear_1.in_features
+    w1 = torch.zeros(text_size, vision)
+    b1 = torch.zeros(text_size)
+    w2 = torch.zeros(text_size, text_size)
+    w1[:hidden] = projector.linear_1.weight.detach().float().cpu()
+    b1[:hidden] = projector.linear_1.bias.detach().float().cpu()
+    w2[:, :hidden] = projector.linear_2.weight.detach().float().cpu()
+    return {"linear_1.weight": w1, "linear_1.bias": b1, "linear_2.weight": w2,
+            "linear_2.bias": projector.linear_2.bias.detach().float().cpu().clone()}
+
+
+def export_llava(pipeline: Pipeline, out_dir: str | Path) -> Path:
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    vision, decoder, projector = pipeline.vision, pipeline.decoder, pipeline.projector
+    profile = pipeline.settings.profile
+    if not isinstance(vision, ClipVisionEncoder):
+        raise ExportError(f"Profile {profile!r} uses a {type(vision).__name__}, a CNN with no Hugging Face "
+                          f"LLaVA form (LLaVA needs a CLIP-style vision tower); export supports profiles "
+                          f"whose encoder is a Hugging Face vision transformer, such as 'tiny' and 'llava-med'.")
+    if vision.pooled_tokens:
+        raise ExportError("Token pooling has no LLaVA equivalent; export a model trained on all patch tokens.")
+    if projector.normalize_input:
+        raise ExportError("Input normalisation of the projector has no LLaVA equivalent; export a model "
+                          "trained without --normalize-input.")
+    out_dir = Path(out_dir)
+    tokenizer = decoder.tokenizer
+    if IMAGE_PLACEHOLDER not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_PLACEHOLDER]})
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+    text_config = decoder.model.config
+    vocab = max(text_config.vocab_size, len(tokenizer))
+    config = LlavaConfig(vision_config=vision.tower.config.to_dict(), text_config=text_config.to_dict(),
+                         image_token_index=image_token_id, projector_hidden_act="gelu",
+                         vision_feature_select_strategy="default", vision_feature_layer=vision.feature_layer,
+                         image_seq_length=vision.grid_tokens, multimodal_projector_bias=True,
+                         tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)))
+    config.text_config.vocab_size = vocab
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model.model.vision_tower.load_state_dict(vision.tower.state_dict())
+    language = decoder.model
+    if language.get_input_embeddings().weight.shape[0] < vocab:
+        # The image token's embedding row is never read (image features replace it); zeros keep it inert.
+        language = _with_vocab(language, vocab)
+    model.model.language_model.load_state_dict(language.model.state_dict())
+    model.lm_head.load_state_dict(language.lm_head.state_dict())
+    model.model.multi_modal_projector.load_state_dict(
+        padded_projector_state(projector, text_config.hidden_size))
+    model.save_pretrained(out_dir)
+
+    side = vision.image_size
+    # The app pads every image to a square before it is sent, so a plain resize matches our preprocessing.
+    image_processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                         image_mean=list(vision.mean), image_std=list(vision.std),
+                                         resample=3)
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               patch_size=vision.tower.config.patch_size,
+                               vision_feature_select_strategy="default", image_token=IMAGE_PLACEHOLDER,
+                               num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def _with_vocab(language, vocab: int):
+    import copy
+
+    language = copy.deepcopy(language)
+    old = language.get_input_embeddings().weight.shape[0]
+    language.resize_token_embeddings(vocab, mean_resizing=False)
+    with torch.no_grad():
+        language.get_input_embeddings().weight[old:] = 0
+        if language.lm_head.weight.shape[0] == vocab and not language.config.tie_word_embeddings:
+            language.lm_head.weight[old:] = 0
+    return language

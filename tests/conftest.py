@@ -1,0 +1,42 @@
+"""Shared fixtures: the tiny profile's random models (built once per session) and data locations."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def require_shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}; these tests need ../shared/data")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("medvqa-cache")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_settings(tiny_cache):
+    from medvqa.config import load_settings
+
+    settings = load_settings("tiny", env={"MEDVQA_CACHE": str(tiny_cache)})
+    settings.retrieval.enabled = False
+    return settings
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_settings):
+    from medvqa.pipeline import Pipeline
+
+    return Pipeline.load(tiny_settings, with_retrieval=False)

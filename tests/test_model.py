@@ -1,0 +1,227 @@
+"""Core model on the tiny profile (random CLIP ViT + random Llama): the real code paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from medvqa.config import load_settings
+from medvqa.pipeline import Conversation, Done, Sources, Token
+from medvqa.projector import PREFIX, Projector, ProjectorShapeError, map_llava_med_projector
+from medvqa.prompt import merge_image_features
+
+from .conftest import require_shared_data
+
+
+def _image(seed: int = 0, shape=(48, 40)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
+
+
+def test_only_projector_is_trainable(tiny_pipeline):
+    trainable = {name for name, p in tiny_pipeline.vision.named_parameters() if p.requires_grad}
+    trainable |= {name for name, p in tiny_pipeline.decoder.named_parameters() if p.requires_grad}
+    assert trainable == set()
+    assert all(p.requires_grad for p in tiny_pipeline.projector.parameters())
+    tiny_pipeline.vision.train()
+    tiny_pipeline.decoder.train()
+    assert not tiny_pipeline.vision.training and not tiny_pipeline.decoder.model.training
+
+
+def test_vision_drops_cls_and_uses_penultimate_layer(tiny_pipeline):
+    vision = tiny_pipeline.vision
+    pixels = vision.preprocess([_image()])
+    features = vision.encode(pixels)
+    assert features.shape == (1, 16, 32)  # 32x32 input, 8x8 patches, CLS dropped
+    with torch.no_grad():
+        hidden = vision.tower(pixel_values=pixels, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, hidden[-2][:, 1:])
+
+
+def test_image_tokens_land_at_placeholder(tiny_pipeline):
+    prompt = tiny_pipeline.prompts.build("Is there an effusion?")
+    n = tiny_pipeline.vision.num_tokens
+    assert sum(prompt.image_mask) == n
+    start = prompt.image_mask.index(True)
+    assert prompt.image_mask[start:start + n] == [True] * n  # contiguous
+    embeds = tiny_pipeline._prompt_embeddings(_image(), prompt.token_ids, prompt.image_mask)
+    image_tokens = tiny_pipeline.image_tokens(_image())
+    torch.testing.assert_close(embeds[0, start:start + n], image_tokens[0])
+    text = tiny_pipeline.decoder.embed(prompt.token_ids)
+    torch.testing.assert_close(embeds[0, :start], text[0, :start])
+    torch.testing.assert_close(embeds[0, start + n:], text[0, start + n:])
+
+
+def test_image_token_count_mismatch_is_refused():
+    text = torch.zeros(1, 10, 4)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 2:5] = True
+    with pytest.raises(ValueError, match="3.*image positions.*4 tokens"):
+        merge_image_features(text, mask, torch.ones(1, 4, 4))
+
+
+def test_projector_save_load_round_trip_is_exact(tmp_path):
+    projector = Projector(32, 24, 48)
+    path = tmp_path / "projector.safetensors"
+    projector.save(path)
+    other = Projector(32, 24, 48).load(path)
+    for name, tensor in projector.state_dict().items():
+        assert torch.equal(tensor, other.state_dict()[name])
+
+
+def test_wrong_shape_projector_file_fails_clearly(tmp_path):
+    path = tmp_path / "projector.safetensors"
+    Projector(32, 16, 48).save(path)
+    with pytest.raises(ProjectorShapeError, match=r"linear_1\.(weight|bias) has shape \(16.*expected \(24"):
+        Projector(32, 24, 48).load(path)
+
+
+def test_llava_med_projector_keys_map_to_ours(tmp_path):
+    """A tiny checkpoint in LLaVA-Med's layout (model.mm_projector.0/.2) loads into our projector."""
+    from medvqa.projector import convert_llava_med_projector
+
+    torch.manual_seed(0)
+    theirs = {"model.mm_projector.0.weight": torch.randn(24, 32), "model.mm_projector.0.bias": torch.randn(24),
+              "model.mm_projector.2.weight": torch.randn(48, 24), "model.mm_projector.2.bias": torch.randn(48),
+              "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4)}
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    save_file(theirs, str(shard))
+    ours = convert_llava_med_projector([shard], tmp_path / "projector.safetensors")
+    projector = Projector(32, 24, 48).load(ours)
+    assert torch.equal(projector.linear_1.weight, theirs["model.mm_projector.0.weight"])
+    assert torch.equal(projector.linear_2.bias, theirs["model.mm_projector.2.bias"])
+    assert set(map_llava_med_projector(theirs)) == {PREFIX + k for k in projector.state_dict()}
+
+
+def test_streaming_yields_several_pieces_then_done(tiny_pipeline):
+    conversation = Conversation(image=_image())
+    events = list(tiny_pipeline.ask(conversation, "Is there a pleural effusion?", max_new_tokens=8))
+    assert isinstance(events[0], Sources)
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert len(tokens) > 1
+    assert isinstance(events[-1], Done)
+    assert events[-1].answer == "".join(t.text for t in tokens).strip()
+    assert conversation.history[-1].question == "Is there a pleural effusion?"
+
+
+def test_empty_question_is_refused(tiny_pipeline):
+    with pytest.raises(ValueError, match="question"):
+        list(tiny_pipeline.ask(Conversation(image=_image()), "   "))
+
+
+def test_second_turn_reuses_image_and_prefix_with_identical_answer(tiny_pipeline):
+    image = _image(3)
+    conversation = Conversation(image=image, window="lung window (C -600 / W 1500)")
+    calls = tiny_pipeline.encoder_calls
+    list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=6))
+    second = list(tiny_pipeline.ask(conversation, "Which side?", max_new_tokens=6))[-1]
+    assert tiny_pipeline.encoder_calls == calls + 1  # the image was encoded once
+    assert second.timings["reused_tokens"] > tiny_pipeline.vision.num_tokens
+    fresh = Conversation(image=image, window=conversation.window, history=conversation.history[:1])
+    again = list(tiny_pipeline.ask(fresh, "Which side?", max_new_tokens=6))[-1]
+    assert again.timings["reused_tokens"] == 0
+    assert again.answer == second.answer
+
+
+def test_changing_the_window_reencodes(tiny_pipeline):
+    calls = tiny_pipeline.encoder_calls
+    image = _image(5)
+    tiny_pipeline.image_tokens(image)
+    tiny_pipeline.image_tokens(image)
+    tiny_pipeline.image_tokens(np.clip(image.astype(int) + 10, 0, 255).astype(np.uint8))
+    assert tiny_pipeline.encoder_calls == calls + 2
+
+
+def test_constrained_answer_is_one_of_the_candidates(tiny_pipeline):
+    answer, _ = tiny_pipeline.answer(_image(), "Is the heart enlarged?", candidates=["yes", "no"],
+                                     use_retrieval=False)
+    assert answer in ("yes", "no")
+
+
+def test_context_budget_drops_old_turns_not_the_question(tiny_pipeline):
+    from medvqa.prompt import Turn
+
+    builder = tiny_pipeline.prompts
+    history = [Turn("What is shown? " * 30, "An image. " * 30) for _ in range(10)]
+    prompt = builder.build("Is there an effusion?", history)
+    assert prompt.dropped_turns > 0
+    assert len(prompt) <= builder.context_window - builder.reserve_for_answer
+    assert sum(prompt.image_mask) == tiny_pipeline.vision.num_tokens  # the image survives
+    assert "Is there an effusion?" in prompt.text
+    with pytest.raises(ValueError, match="too long"):
+        builder.build("why " * 5000)
+
+
+def test_export_matches_our_logits(tiny_pipeline, tmp_path):
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    from medvqa.export import export_llava
+
+    folder = export_llava(tiny_pipeline, tmp_path / "llava")
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    processor = LlavaProcessor.from_pretrained(folder)
+    image = _image(7, shape=(32, 32))
+    prompt = tiny_pipeline.prompts.build("Is there an effusion?")
+    ours_embeds = tiny_pipeline._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
+    with torch.no_grad():
+        ours = tiny_pipeline.decoder(ours_embeds).logits
+        ids = torch.tensor([[model.config.image_token_index if m else t
+                             for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+        pixels = tiny_pipeline.vision.preprocess([image])
+        theirs = model(input_ids=ids, pixel_values=pixels).logits
+        # The exported processor turns the same square image into the same pixel values.
+        processed = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
+    vocab = ours.shape[-1]
+    torch.testing.assert_close(theirs[..., :vocab], ours, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(processed, pixels, atol=2e-2, rtol=0)
+
+
+def test_offline_profile_export_says_why_not():
+    from medvqa.export import ExportError, export_llava
+
+    class FakePipeline:  # only the encoder type matters for this refusal
+        class settings:
+            profile = "offline"
+        vision = object()
+        decoder = projector = None
+
+    with pytest.raises(ExportError, match="no Hugging Face LLaVA form"):
+        export_llava(FakePipeline(), "/nonexistent")
+
+
+def test_settings_overrides_from_file_and_environment(tmp_path):
+    config = tmp_path / "medvqa.json"
+    config.write_text('{"decoder": {"max_new_tokens": 7}, "retrieval": {"top_k": 5}}')
+    settings = load_settings("offline", config_file=config,
+                             env={"MEDVQA_DECODER__TEMPERATURE": "0.5", "MEDVQA_RETRIEVAL__ENABLED": "false"})
+    assert settings.decoder.max_new_tokens == 7 and settings.retrieval.top_k == 5
+    assert settings.decoder.temperature == 0.5 and settings.retrieval.enabled is False
+    with pytest.raises(ValueError, match="Unknown setting"):
+        load_settings("offline", env={"MEDVQA_DECODER__NOPE": "1"})
+    with pytest.raises(ValueError, match="Unknown profile"):
+        load_settings("huge", env={})
+
+
+def test_missing_model_gives_one_clear_message(tmp_path):
+    from medvqa.decoder import Decoder, ModelMissingError
+
+    settings = load_settings("llava-med", env={"MEDVQA_CACHE": str(tmp_path)})
+    with pytest.raises(ModelMissingError, match="llava-med.*not available locally"):
+        Decoder.load(settings.decoder, torch.device("cpu"), torch.float32, tmp_path, offline=True,
+                     profile="llava-med")
+
+
+def test_offline_profile_answers_a_real_image():
+    data = require_shared_data()
+    from medvqa.imaging import load_scan
+    from medvqa.pipeline import Pipeline
+
+    settings = load_settings("offline")
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    assert pipeline.vision.hidden_size == 1280 and pipeline.decoder.hidden_size == 576
+    scan = load_scan(data / "vqa_rad" / "images" / "synpic42202.jpg")
+    events = list(pipeline.ask(pipeline.new_conversation(scan), "Is there evidence of an aortic aneurysm?",
+                               max_new_tokens=16))
+    answer = events[-1].answer
+    assert answer and any(c.isalpha() for c in answer)
