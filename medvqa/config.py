@@ -50,6 +50,7 @@ class DecoderConfig:
     context_window: int = 2048  # tokens the prompt + answer may use
     load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
     load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
+    constrained_closed: bool = True  # answer closed questions by scoring the options they name
 
 
 @dataclass
@@ -78,6 +79,7 @@ class RetrievalConfig:
     chunk_overlap: int = 40  # tokens shared by consecutive chunks of one text
     hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
     ivf_nprobe: int = 32  # IVF lists visited per query (recall vs latency)
+    prompt_gate: str = "always"  # passages in the decoder prompt: "always", or "open" (not for closed questions)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .answers import closed_candidates
 from .config import Settings
 from .decoder import Decoder, GenerationResult, hub_offline_env
 from .device import pick_device, pick_dtype
@@ -173,7 +174,8 @@ class Pipeline:
     # --- answering -------------------------------------------------------------------------------
 
     def ask(self, conversation: Conversation, question: str, *, use_retrieval: bool = True,
-            safe_meta: dict | None = None, max_new_tokens: int | None = None) -> Iterator[Sources | Token | Done]:
+            safe_meta: dict | None = None, max_new_tokens: int | None = None,
+            constrained: bool | None = None) -> Iterator[Sources | Token | Done]:
         """Answer `question` about the conversation's image, streaming; history is updated at the end."""
         question = question.strip()
         if not question:
@@ -186,9 +188,22 @@ class Pipeline:
                                     if use_retrieval and self.retriever is not None else "Retrieval is off.")
         yield Sources(passages, note)
 
-        prompt = self.prompts.build(question, conversation.history, passages, conversation.window)
-        passages = passages[:len(passages) - prompt.dropped_passages]
+        prompt_passages = passages if self._passages_in_prompt(question) else []
+        prompt = self.prompts.build(question, conversation.history, prompt_passages, conversation.window)
+        if prompt_passages:
+            passages = passages[:len(passages) - prompt.dropped_passages]
         embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
+        if constrained is None:
+            constrained = self.settings.decoder.constrained_closed
+        candidates = closed_candidates(question) if constrained else None
+        if candidates:
+            # Closed question: pick the best of the options it names (structured output), no free text.
+            answer, _ = self.decoder.choose_answer(embeds, candidates)
+            timings["ttft_s"] = timings["total_s"] = time.perf_counter() - start
+            yield Token(answer)
+            conversation.history.append(Turn(question, answer, prompt_passages))
+            yield Done(answer, passages, conversation.window, timings)
+            return
         keyed_ids = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
         timings["prompt_tokens"] = len(keyed_ids)
@@ -207,21 +222,24 @@ class Pipeline:
         timings["total_s"] = time.perf_counter() - start
         if result.cache is not None:
             self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
-        conversation.history.append(Turn(question, answer, passages))
+        conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings)
 
+    def _passages_in_prompt(self, question: str) -> bool:
+        """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).
+
+        `retrieval.prompt_gate`: "always", or "open" to keep them out of closed (yes/no, either/or)
+        questions, where the small decoder was measured to be distracted by them (scripts/evaluate.py).
+        """
+        gate = self.settings.retrieval.prompt_gate
+        return gate == "always" or (gate == "open" and closed_candidates(question) is None)
+
     def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
-               candidates: Sequence[str] | None = None, window: str = "") -> tuple[str, list]:
-        """One-shot answer (evaluation): free generation, or the best of `candidates` when given."""
+               constrained: bool | None = None, window: str = "") -> tuple[str, list]:
+        """One-shot answer to a single question (evaluation); returns (answer, passages cited)."""
         conversation = Conversation(image=image, window=window)
-        if candidates:
-            passages = self.retrieve(question) if use_retrieval else []
-            prompt = self.prompts.build(question, (), passages, window)
-            embeds = self._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
-            choice, _ = self.decoder.choose_answer(embeds, list(candidates))
-            return choice, passages
         done = None
-        for event in self.ask(conversation, question, use_retrieval=use_retrieval):
+        for event in self.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained):
             if isinstance(event, Done):
                 done = event
         self.end_conversation(conversation)

@@ -96,7 +96,8 @@ def test_llava_med_projector_keys_map_to_ours(tmp_path):
 
 def test_streaming_yields_several_pieces_then_done(tiny_pipeline):
     conversation = Conversation(image=_image())
-    events = list(tiny_pipeline.ask(conversation, "Is there a pleural effusion?", max_new_tokens=8))
+    events = list(tiny_pipeline.ask(conversation, "Is there a pleural effusion?", max_new_tokens=8,
+                                   constrained=False))
     assert isinstance(events[0], Sources)
     tokens = [e for e in events if isinstance(e, Token)]
     assert len(tokens) > 1
@@ -114,7 +115,7 @@ def test_second_turn_reuses_image_and_prefix_with_identical_answer(tiny_pipeline
     image = _image(3)
     conversation = Conversation(image=image, window="lung window (C -600 / W 1500)")
     calls = tiny_pipeline.encoder_calls
-    list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=6))
+    list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=6, constrained=False))
     second = list(tiny_pipeline.ask(conversation, "Which side?", max_new_tokens=6))[-1]
     assert tiny_pipeline.encoder_calls == calls + 1  # the image was encoded once
     assert second.timings["reused_tokens"] > tiny_pipeline.vision.num_tokens
@@ -134,9 +135,11 @@ def test_changing_the_window_reencodes(tiny_pipeline):
 
 
 def test_constrained_answer_is_one_of_the_candidates(tiny_pipeline):
-    answer, _ = tiny_pipeline.answer(_image(), "Is the heart enlarged?", candidates=["yes", "no"],
-                                     use_retrieval=False)
-    assert answer in ("yes", "no")
+    answer, _ = tiny_pipeline.answer(_image(), "Is the heart enlarged?", use_retrieval=False, constrained=True)
+    assert answer in ("Yes", "No")
+    answer, _ = tiny_pipeline.answer(_image(), "Is the lesion on the left or the right?", use_retrieval=False,
+                                     constrained=True)
+    assert answer in ("Left", "Right")
 
 
 def test_context_budget_drops_old_turns_not_the_question(tiny_pipeline):

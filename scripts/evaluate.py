@@ -1,0 +1,212 @@
+"""Evaluate a profile on VQA-RAD, SLAKE or a JSONL benchmark, under four conditions.
+
+    python scripts/evaluate.py --dataset vqa-rad --split test --json runs/eval-vqa-rad.json
+    python scripts/evaluate.py --dataset slake --split validate --limit 300
+
+Conditions: with retrieval, without retrieval, with a shuffled image (each question paired with
+another image of the same split, a fixed derangement: inputs stay in distribution, so this is the
+fair test of whether the image is used) and with a blank (all-black) image. Closed questions are
+answered by constrained decoding over the options they name (the app's default) and, in the main
+condition, also by free generation. Greedy decoding, fixed seeds. Per-question results are appended
+to a JSONL file so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from medvqa.answers import closed_correct, open_exact, open_recall  # noqa: E402
+from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.datasets import VQAExample, load_examples  # noqa: E402
+from medvqa.pipeline import Pipeline  # noqa: E402
+from medvqa.training import read_image  # noqa: E402
+
+CONDITIONS = ("retrieval", "no_retrieval", "shuffled_image", "blank_image")
+BLANK = np.zeros((224, 224, 3), dtype=np.uint8)
+
+
+def balanced_subset(examples: list[VQAExample], limit: int | None) -> list[VQAExample]:
+    """A deterministic subset with closed and open questions in equal numbers (as far as they go)."""
+    if not limit or limit >= len(examples):
+        return examples
+    key = lambda e: hashlib.sha256(e.qid.encode()).hexdigest()  # noqa: E731
+    closed = sorted((e for e in examples if e.answer_type == "CLOSED"), key=key)
+    open_ = sorted((e for e in examples if e.answer_type != "CLOSED"), key=key)
+    n_closed = min(len(closed), max(limit // 2, limit - len(open_)))
+    chosen = closed[:n_closed] + open_[:limit - n_closed]
+    order = {e.qid: i for i, e in enumerate(examples)}
+    return sorted(chosen, key=lambda e: order[e.qid])
+
+
+def derangement(examples: list[VQAExample]) -> dict[Path, Path]:
+    """Each image -> the next distinct image of the split in sorted order (no image maps to itself)."""
+    images = sorted({e.image for e in examples})
+    return {image: images[(i + 1) % len(images)] for i, image in enumerate(images)}
+
+
+def score(rows: list[dict], field: str) -> dict[str, float]:
+    closed = [r for r in rows if r["answer_type"] == "CLOSED"]
+    open_ = [r for r in rows if r["answer_type"] != "CLOSED"]
+    return {
+        "closed_accuracy": sum(closed_correct(r[field], r["reference"]) for r in closed) / max(1, len(closed)),
+        "open_recall": sum(open_recall(r[field], r["reference"]) for r in open_) / max(1, len(open_)),
+        "open_exact": sum(open_exact(r[field], r["reference"]) for r in open_) / max(1, len(open_)),
+    }
+
+
+def correct(row: dict, field: str) -> bool:
+    if row["answer_type"] == "CLOSED":
+        return closed_correct(row[field], row["reference"])
+    return open_recall(row[field], row["reference"]) >= 1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=("vqa-rad", "slake", "jsonl"), required=True)
+    parser.add_argument("--data", default=None, help="dataset folder (default: ../shared/data/<dataset>)")
+    parser.add_argument("--split", required=True)
+    parser.add_argument("--limit", type=int, default=None, help="deterministic type-balanced subset of N")
+    parser.add_argument("--profile", choices=PROFILES, default="offline")
+    parser.add_argument("--json", default=None, help="write the summary object here")
+    parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
+    parser.add_argument("--no-free-closed", action="store_true",
+                        help="skip free generation for closed questions (constrained decoding only)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--run-dir", default="runs", help="where per-question results are kept (resumable)")
+    args = parser.parse_args()
+
+    settings = load_settings(args.profile)
+    torch.manual_seed(settings.seed)
+    examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
+    shuffled = derangement(examples)
+    pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
+    projector_id = _file_digest(settings.projector.weights)
+    run_name = f"eval-{args.profile}-{args.dataset}-{args.split}-{args.limit or 'all'}-{projector_id}.jsonl"
+    results_path = Path(args.run_dir) / run_name
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if results_path.is_file():
+        for line in results_path.read_text().splitlines():
+            row = json.loads(line)
+            done[row["qid"]] = row
+    images: dict[Path, np.ndarray] = {}
+
+    def image(path: Path) -> np.ndarray:
+        if path not in images:
+            images.clear() if len(images) > 64 else None
+            images[path] = read_image(path)
+        return images[path]
+
+    with results_path.open("a") as out:
+        for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
+            if example.qid in done and all(c in done[example.qid] for c in args.conditions):
+                continue
+            row = {"qid": example.qid, "question": example.question, "reference": example.answer,
+                   "answer_type": example.answer_type}
+            for condition in args.conditions:
+                picture = {"shuffled_image": lambda: image(shuffled[example.image]),
+                           "blank_image": lambda: BLANK}.get(condition, lambda: image(example.image))()
+                answer, passages = _answer(pipeline, picture, example.question, condition == "retrieval",
+                                           True, args.max_new_tokens)
+                row[condition] = answer
+                if condition == "retrieval":
+                    row["passages"] = [p.id for p in passages]
+            if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
+                row["retrieval_free"], _ = _answer(pipeline, image(example.image), example.question, True,
+                                                   False, args.max_new_tokens)
+            done[example.qid] = row
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+    rows = [done[e.qid] for e in examples]
+    main_condition = "retrieval" if "retrieval" in args.conditions else args.conditions[0]
+    summary = {"dataset": args.dataset, "split": args.split, "main_condition": main_condition, "n": len(rows),
+               "n_closed": sum(r["answer_type"] == "CLOSED" for r in rows),
+               "n_open": sum(r["answer_type"] != "CLOSED" for r in rows), **score(rows, main_condition)}
+    for condition in CONDITIONS[1:]:
+        if condition in args.conditions:
+            summary[condition] = score(rows, condition)
+    closed_rows = [r for r in rows if r["answer_type"] == "CLOSED" and "retrieval_free" in r]
+    if closed_rows:
+        summary["closed_accuracy_free_generation"] = score(closed_rows, "retrieval_free")["closed_accuracy"]
+    if {"retrieval", "no_retrieval"} <= set(args.conditions):
+        summary["retrieval_flips"] = {
+            "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
+            "wrong_to_right": sum(not correct(r, "no_retrieval") and correct(r, "retrieval") for r in rows)}
+    majority = _majority_baseline(args, examples)
+    summary["majority_closed_accuracy"] = majority
+    summary["profile"] = args.profile
+    _print_table(summary)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+
+
+def _answer(pipeline: Pipeline, image: np.ndarray, question: str, use_retrieval: bool, constrained: bool,
+            max_new_tokens: int):
+    from medvqa.pipeline import Conversation, Done
+
+    conversation = Conversation(image=image)
+    for event in pipeline.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained,
+                              max_new_tokens=max_new_tokens):
+        if isinstance(event, Done):
+            pipeline.end_conversation(conversation)
+            return event.answer, event.passages
+    raise RuntimeError("the pipeline ended without an answer")
+
+
+def _majority_baseline(args, examples: list[VQAExample]) -> float:
+    """Closed accuracy of always giving the split's most common closed answer (a floor to beat)."""
+    from collections import Counter
+
+    from medvqa.answers import normalise
+
+    closed = [normalise(e.answer) for e in examples if e.answer_type == "CLOSED"]
+    if not closed:
+        return 0.0
+    return Counter(closed).most_common(1)[0][1] / len(closed)
+
+
+def _file_digest(path: str) -> str:
+    if path and Path(path).is_file():
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
+    return "untrained"
+
+
+def _print_table(summary: dict) -> None:
+    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
+    print(f"\n{summary['dataset']} {summary['split']}: n={summary['n']} "
+          f"(closed {summary['n_closed']}, open {summary['n_open']}); "
+          f"majority closed answer {pct(summary['majority_closed_accuracy'])} %\n")
+    print("| condition | closed accuracy % | open recall % | open exact % |")
+    print("|---|---|---|---|")
+    names = {"retrieval": "with retrieval", "no_retrieval": "without retrieval",
+             "shuffled_image": "shuffled image", "blank_image": "blank image"}
+    main = summary["main_condition"]
+    print(f"| {names[main]} | {pct(summary['closed_accuracy'])} | {pct(summary['open_recall'])} | "
+          f"{pct(summary['open_exact'])} |")
+    for key, name in names.items():
+        if key in summary and key != main:
+            s = summary[key]
+            print(f"| {name} | {pct(s['closed_accuracy'])} | {pct(s['open_recall'])} | {pct(s['open_exact'])} |")
+    if "closed_accuracy_free_generation" in summary:
+        print(f"\nclosed accuracy with free generation instead of constrained decoding: "
+              f"{pct(summary['closed_accuracy_free_generation'])} %")
+    if "retrieval_flips" in summary:
+        flips = summary["retrieval_flips"]
+        print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""scripts/evaluate.py end to end on a JSONL benchmark with the tiny profile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
+    data = tmp_path / "bench"
+    (data / "images").mkdir(parents=True)
+    rows = []
+    for i in range(4):
+        Image.fromarray(np.full((40, 40, 3), 60 * i, dtype=np.uint8)).save(data / "images" / f"im{i}.png")
+        rows.append({"image": f"im{i}.png", "question": "Is there an effusion?", "answer": "yes" if i % 2 else "no",
+                     "answer_type": "CLOSED"})
+        rows.append({"image": f"im{i}.png", "question": "What organ is shown?", "answer": "lung",
+                     "answer_type": "OPEN"})
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), OMP_NUM_THREADS="1")
+    command = [sys.executable, "scripts/evaluate.py", "--profile", "tiny", "--dataset", "jsonl", "--data", str(data),
+               "--split", "test", "--limit", "6", "--conditions", "no_retrieval", "shuffled_image", "blank_image",
+               "--run-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "summary.json"), "--max-new-tokens", "4"]
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((tmp_path / "summary.json").read_text())
+    assert summary["n"] == 6 and summary["n_closed"] == 3 and summary["n_open"] == 3
+    for key in ("shuffled_image", "blank_image"):
+        assert set(summary[key]) == {"closed_accuracy", "open_recall", "open_exact"}
+    assert 0.0 <= summary["closed_accuracy"] <= 1.0
+    # A second run resumes from the per-question file instead of answering again.
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
