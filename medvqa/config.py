@@ -136,7 +136,7 @@ def _tiny_profile(cache_dir: str) -> Settings:
         vision=VisionConfig(kind="clip", name_or_path=str(tiny_dir / "clip"), image_size=32, feature_layer=-2),
         projector=ProjectorConfig(hidden_size=24),
         decoder=DecoderConfig(name_or_path=str(tiny_dir / "llama"), max_new_tokens=12, context_window=1024),
-        retrieval=RetrievalConfig(index_name="tiny"),
+        retrieval=RetrievalConfig(index_name="default"),  # same embedder as offline: share its index
     )
 
 

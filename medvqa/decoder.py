@@ -168,7 +168,7 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def stream(self, inputs_embeds: torch.Tensor, *, cache=None, cache_length: int = 0,
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               result: GenerationResult | None = None, seed: int = 0) -> Iterator[str]:
+               result: GenerationResult | None = None, seed: int = 0, ignore_eos: bool = False) -> Iterator[str]:
         """Generate from the prompt `inputs_embeds`, yielding text pieces as they become printable.
 
         When `result` is given it receives the generated ids and the cache (covering the prompt
@@ -185,7 +185,7 @@ class Decoder(nn.Module):
         result.stopped_by = "length"
         for step in range(max_new_tokens):
             token = _choose(logits, temperature, top_p, generator)
-            if token in self.eos_ids:
+            if token in self.eos_ids and not ignore_eos:
                 result.stopped_by = "eos"
                 break
             result.token_ids.append(token)

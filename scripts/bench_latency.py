@@ -1,0 +1,152 @@
+"""Latency and memory of one profile on this machine: cold start, vision, retrieval, time to first
+token on the first and the next turn, prefill and decode speed, peak memory, and the decode speed
+the memory bandwidth allows.
+
+    python scripts/bench_latency.py [--profile offline] [--engine transformers] [--runs 5] [--json]
+
+Every figure is a median over --runs runs. The decode limit is measured read bandwidth divided by the
+bytes of decoder weights read per generated token (every weight once, in the dtype as loaded).
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.pipeline import Conversation, Done, Pipeline, Token  # noqa: E402
+
+QUESTIONS = ["What abnormality is seen in the lungs?", "Where is the lesion located?",
+             "What organ system is shown?", "Describe the findings.", "What imaging modality is this?"]
+
+
+def measure_bandwidth_gbps(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: the best of several full reads of a buffer far larger than any cache."""
+    buffer = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for parameter in model.parameters():
+        if parameter.data_ptr() in seen:
+            continue  # tied embeddings are read once, by the output head
+        seen.add(parameter.data_ptr())
+        total += parameter.numel() * parameter.element_size()
+    embeddings = model.get_input_embeddings().weight
+    if embeddings.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        total -= embeddings.numel() * embeddings.element_size()  # an untied input table is read one row at a time
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=PROFILES, default="offline")
+    parser.add_argument("--engine", default="transformers")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = parser.parse_args()
+
+    settings = load_settings(args.profile)
+    settings.decoder.engine = args.engine
+    pipeline = Pipeline.load(settings)
+    cold_start = time.perf_counter() - STARTED
+    decoder = pipeline.decoder
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (512, 512, 3), dtype=np.uint8) for _ in range(args.runs + 1)]
+
+    vision_ms = []
+    for image in images[1:]:
+        start = time.perf_counter()
+        pipeline.image_tokens(image)
+        vision_ms.append(1000 * (time.perf_counter() - start))
+    pipeline.image_token_cache = type(pipeline.image_token_cache)(pipeline.image_token_cache.capacity)
+
+    retrieval_ms = []
+    if pipeline.retriever is not None:
+        pipeline.retrieve(QUESTIONS[0])  # warm-up
+        for question in QUESTIONS:
+            start = time.perf_counter()
+            pipeline.retrieve(question)
+            retrieval_ms.append(1000 * (time.perf_counter() - start))
+
+    first_ttft, next_ttft, prompt_lengths = [], [], []
+    for run, image in enumerate(images[:args.runs]):
+        conversation = Conversation(image=image, window="lung window (C -600 / W 1500)")
+        for turn, question in enumerate([QUESTIONS[run % len(QUESTIONS)], "Is it on the left side?"]):
+            start, ttft, done = time.perf_counter(), None, None
+            for event in pipeline.ask(conversation, question, constrained=False, max_new_tokens=8):
+                if isinstance(event, Token) and ttft is None:
+                    ttft = time.perf_counter() - start
+                elif isinstance(event, Done):
+                    done = event
+            (first_ttft if turn == 0 else next_ttft).append(ttft if ttft is not None else done.timings["total_s"])
+            prompt_lengths.append(done.timings["prompt_tokens"])
+        pipeline.end_conversation(conversation)
+
+    hidden = decoder.hidden_size
+    prefill, decode = [], []
+    for _ in range(args.runs):
+        embeds = decoder.embed(rng.integers(100, 1000, args.prompt_tokens).tolist())
+        start = time.perf_counter()
+        decoder.prefill(embeds)
+        prefill.append(args.prompt_tokens / (time.perf_counter() - start))
+        pieces = 0
+        start = time.perf_counter()
+        first_at = None
+        for _ in decoder.stream(embeds, max_new_tokens=args.new_tokens + 1, ignore_eos=True):
+            pieces += 1
+            if first_at is None:
+                first_at = time.perf_counter()
+        decode.append(args.new_tokens / (time.perf_counter() - first_at))
+
+    bandwidth = measure_bandwidth_gbps()
+    bytes_per_token = weight_bytes_per_token(decoder.model)
+    result = {
+        "profile": args.profile, "engine": args.engine,
+        "cold_start_s": round(cold_start, 2),
+        "vision_ms": round(statistics.median(vision_ms), 1),
+        "retrieval_ms": round(statistics.median(retrieval_ms), 1) if retrieval_ms else None,
+        "ttft_first_turn_s": round(statistics.median(first_ttft), 3),
+        "ttft_next_turn_s": round(statistics.median(next_ttft), 3),
+        "prefill_tok_s": round(statistics.median(prefill), 1),
+        "decode_tok_s": round(statistics.median(decode), 1),
+        "tpot_ms": round(1000 / statistics.median(decode), 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
+        "bandwidth_gbps": round(bandwidth, 1),
+        "decode_limit_tok_s": round(bandwidth * 1e9 / bytes_per_token, 1),
+    }
+    print(f"profile {args.profile}, engine {args.engine}, {torch.get_num_threads()} threads, "
+          f"decoder width {hidden}, {bytes_per_token / 1e6:.0f} MB of weights read per token")
+    print(f"chat prompts: {min(prompt_lengths)}-{max(prompt_lengths)} tokens; synthetic prompt "
+          f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens; medians of {args.runs} runs")
+    for key, value in result.items():
+        print(f"  {key:>20}: {value}")
+    print(f"  decode at {100 * result['decode_tok_s'] / result['decode_limit_tok_s']:.0f} % of the bandwidth limit; "
+          f"next-turn TTFT = {result['ttft_next_turn_s'] / result['ttft_first_turn_s']:.2f} x first turn")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
