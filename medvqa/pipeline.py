@@ -30,6 +30,7 @@ from .decoder import Decoder, GenerationResult, hub_offline_env
 from .device import pick_device, pick_dtype
 from .projector import Projector
 from .prompt import PromptBuilder, Turn, merge_image_features
+from .remote import RemoteDecoder
 from .vision import VisionEncoder, build_vision
 
 log = logging.getLogger(__name__)
@@ -108,14 +109,17 @@ class _PrefixState:
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, vision: VisionEncoder, projector: Projector, decoder: Decoder,
-                 retriever=None, feature_cache_size: int = 64, prefix_cache_size: int = 16):
+    def __init__(self, settings: Settings, vision: VisionEncoder | None, projector: Projector | None,
+                 decoder: Decoder | RemoteDecoder, retriever=None, feature_cache_size: int = 64,
+                 prefix_cache_size: int = 16):
         self.settings = settings
         self.vision = vision
         self.projector = projector
         self.decoder = decoder
         self.retriever = retriever
-        self.prompts = PromptBuilder(decoder.tokenizer, vision.num_tokens, settings.decoder.context_window,
+        # A remote decoder gets the image itself and renders its own template: no tokenizer here.
+        self.prompts = PromptBuilder(getattr(decoder, "tokenizer", None), vision.num_tokens if vision else 0,
+                                     settings.decoder.context_window,
                                      reserve_for_answer=settings.decoder.max_new_tokens)
         self.image_token_cache = _LRU(feature_cache_size)
         self.prefix_cache = _LRU(prefix_cache_size)
@@ -132,11 +136,15 @@ class Pipeline:
             from pathlib import Path
 
             make_tiny_models(Path(settings.decoder.name_or_path).parent, seed=settings.seed)
-        vision = build_vision(settings.vision, device, dtype, settings.offline)
-        decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline,
-                               settings.profile)
-        projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device, dtype)
         retriever = None
+        if settings.decoder.engine == "openai":
+            # The server runs the whole vision-language model; we only retrieve and assemble the prompt.
+            vision, projector, decoder = None, None, RemoteDecoder(settings.decoder)
+        else:
+            vision = build_vision(settings.vision, device, dtype, settings.offline)
+            decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline,
+                                   settings.profile)
+            projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device, dtype)
         if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
             from .retrieval import Retriever, ensure_default_index
 
@@ -189,41 +197,47 @@ class Pipeline:
         yield Sources(passages, note)
 
         prompt_passages = passages if self._passages_in_prompt(question) else []
-        prompt = self.prompts.build(question, conversation.history, prompt_passages, conversation.window)
-        if prompt_passages:
-            passages = passages[:len(passages) - prompt.dropped_passages]
-        embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
         if constrained is None:
             constrained = self.settings.decoder.constrained_closed
-        candidates = closed_candidates(question) if constrained else None
+        if isinstance(self.decoder, RemoteDecoder):
+            messages = self.prompts.messages(question, conversation.history, prompt_passages, conversation.window)
+            pieces = self.decoder.stream(messages, conversation.image, max_new_tokens)
+        else:
+            prompt = self.prompts.build(question, conversation.history, prompt_passages, conversation.window)
+            if prompt_passages:
+                passages = passages[:len(passages) - prompt.dropped_passages]
+                prompt_passages = passages
+            timings["prompt_tokens"] = len(prompt)
+            candidates = closed_candidates(question) if constrained else None
+            pieces = self._generate_local(conversation, prompt, candidates, max_new_tokens, timings)
+        answer_parts = []
+        for piece in pieces:
+            if not answer_parts:
+                timings["ttft_s"] = time.perf_counter() - start
+            answer_parts.append(piece)
+            yield Token(piece)
+        answer = "".join(answer_parts).strip()
+        timings.setdefault("ttft_s", time.perf_counter() - start)
+        timings["total_s"] = time.perf_counter() - start
+        conversation.history.append(Turn(question, answer, prompt_passages))
+        yield Done(answer, passages, conversation.window, timings)
+
+    def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
+                        max_new_tokens: int | None, timings: dict) -> Iterator[str]:
+        embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
         if candidates:
-            # Closed question: pick the best of the options it names (structured output), no free text.
+            # Closed question: the best of the options it names (structured output), no free text.
             answer, _ = self.decoder.choose_answer(embeds, candidates)
-            timings["ttft_s"] = timings["total_s"] = time.perf_counter() - start
-            yield Token(answer)
-            conversation.history.append(Turn(question, answer, prompt_passages))
-            yield Done(answer, passages, conversation.window, timings)
+            yield answer
             return
         keyed_ids = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
-        timings["prompt_tokens"] = len(keyed_ids)
         timings["reused_tokens"] = reused
         result = GenerationResult()
-        pieces = []
-        first_token_at = None
-        for piece in self.decoder.stream(embeds[:, reused:], cache=cache, cache_length=reused,
-                                         max_new_tokens=max_new_tokens, result=result, seed=self.settings.seed):
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            pieces.append(piece)
-            yield Token(piece)
-        answer = "".join(pieces).strip()
-        timings["ttft_s"] = (first_token_at or time.perf_counter()) - start
-        timings["total_s"] = time.perf_counter() - start
+        yield from self.decoder.stream(embeds[:, reused:], cache=cache, cache_length=reused,
+                                       max_new_tokens=max_new_tokens, result=result, seed=self.settings.seed)
         if result.cache is not None:
             self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
-        conversation.history.append(Turn(question, answer, prompt_passages))
-        yield Done(answer, passages, conversation.window, timings)
 
     def _passages_in_prompt(self, question: str) -> bool:
         """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).

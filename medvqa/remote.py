@@ -1,0 +1,105 @@
+"""Remote decoder: an OpenAI-compatible chat-completions server (vLLM, SGLang, llama.cpp's server).
+
+When a deployment outgrows one process, the exported LLaVA checkpoint (scripts/export_hf.py) is
+served by such a server and the app sends it the windowed image plus the assembled prompt, retrieved
+passages included. Citations still come from our own retrieval, never from the server's text.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+from typing import Iterator
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from .config import DecoderConfig
+from .prompt import IMAGE_PLACEHOLDER
+
+
+class RemoteError(RuntimeError):
+    """The model server failed; the message says how, in words a user can act on."""
+
+
+def image_data_url(image: np.ndarray) -> str:
+    """The image padded to a square (as our own encoder sees it) as a PNG data URL."""
+    height, width = image.shape[:2]
+    side = max(height, width)
+    canvas = np.zeros((side, side, 3), dtype=np.uint8)
+    top, left = (side - height) // 2, (side - width) // 2
+    canvas[top:top + height, left:left + width] = image
+    buffer = io.BytesIO()
+    Image.fromarray(canvas).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
+    """Our messages (image placeholder inside the first user text) -> OpenAI content parts."""
+    converted = []
+    for message in messages:
+        content = message["content"]
+        if message["role"] == "user" and IMAGE_PLACEHOLDER in content:
+            text = content.replace(IMAGE_PLACEHOLDER, "").strip()
+            converted.append({"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(image)}},
+                {"type": "text", "text": text}]})
+        else:
+            converted.append({"role": message["role"], "content": content})
+    return converted
+
+
+class RemoteDecoder:
+    def __init__(self, config: DecoderConfig, transport: httpx.BaseTransport | None = None):
+        self.config = config
+        if not config.base_url:
+            raise RemoteError("decoder.engine is 'openai' but decoder.base_url is empty; set "
+                              "MEDVQA_DECODER__BASE_URL to the server, e.g. http://127.0.0.1:8000/v1.")
+        headers = {}
+        api_key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, transport=transport,
+                                   timeout=httpx.Timeout(config.timeout_s, connect=min(10.0, config.timeout_s)))
+
+    def stream(self, messages: list[dict], image: np.ndarray, max_new_tokens: int | None = None) -> Iterator[str]:
+        body = {
+            "model": self.config.remote_model or self.config.name_or_path,
+            "messages": to_openai_messages(messages, image),
+            "max_tokens": max_new_tokens or self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "stream": True,
+        }
+        where = self.config.base_url
+        try:
+            with self.client.stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    detail = response.read().decode("utf-8", "replace")[:300]
+                    raise RemoteError(f"The model server at {where} answered HTTP {response.status_code}: {detail}")
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        choice = json.loads(data)["choices"][0]
+                    except (json.JSONDecodeError, KeyError, IndexError):
+                        raise RemoteError(f"The model server at {where} sent a malformed stream event.") from None
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        yield piece
+                    if choice.get("finish_reason"):
+                        return
+        except httpx.TimeoutException:
+            raise RemoteError(f"The model server at {where} did not answer within {self.config.timeout_s:g} s.") from None
+        except httpx.TransportError as error:
+            raise RemoteError(f"Cannot reach the model server at {where} ({type(error).__name__}). "
+                              f"Is it running?") from None
+
+    def close(self) -> None:
+        self.client.close()

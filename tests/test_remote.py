@@ -1,0 +1,99 @@
+"""The openai engine against a small OpenAI-compatible stand-in server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from medvqa.config import load_settings
+from medvqa.pipeline import Conversation, Done, Pipeline, Sources, Token
+from medvqa.remote import RemoteDecoder, RemoteError
+
+
+class StandIn(BaseHTTPRequestHandler):
+    mode = "ok"
+    seen: list = []
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StandIn.seen.append(body)
+        if StandIn.mode == "error":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b'{"error": "model crashed"}')
+            return
+        if StandIn.mode == "slow":
+            time.sleep(1)
+            return  # the client has given up by now; writing would only hit a closed socket
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in ["There is ", "a small ", "left effusion [1]."]:
+            event = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture()
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    StandIn.mode, StandIn.seen = "ok", []
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def _settings(url: str, timeout: float = 5.0):
+    settings = load_settings("offline", env={})
+    settings.decoder.engine = "openai"
+    settings.decoder.base_url = url
+    settings.decoder.remote_model = "medvqa-llava"
+    settings.decoder.timeout_s = timeout
+    settings.retrieval.enabled = False
+    return settings
+
+
+def test_pipeline_streams_from_the_server_with_image_and_prompt(server):
+    pipeline = Pipeline.load(_settings(server))
+    image = np.full((30, 50, 3), 128, dtype=np.uint8)
+    events = list(pipeline.ask(Conversation(image=image, window="lung window"), "Is there an effusion?"))
+    assert isinstance(events[0], Sources) and isinstance(events[-1], Done)
+    assert [e.text for e in events if isinstance(e, Token)] == ["There is ", "a small ", "left effusion [1]."]
+    assert events[-1].answer == "There is a small left effusion [1]."
+    request = StandIn.seen[-1]
+    assert request["model"] == "medvqa-llava" and request["stream"] is True
+    user = request["messages"][-1]["content"]
+    assert user[0]["type"] == "image_url" and user[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert "Is there an effusion?" in user[1]["text"] and "<image>" not in user[1]["text"]
+
+
+def test_server_error_and_timeout_and_unreachable_are_clear(server):
+    decoder = RemoteDecoder(_settings(server).decoder)
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    messages = [{"role": "user", "content": "<image>\nQuestion: x"}]
+    StandIn.mode = "error"
+    with pytest.raises(RemoteError, match="HTTP 500"):
+        list(decoder.stream(messages, image))
+    StandIn.mode = "slow"
+    slow = RemoteDecoder(_settings(server, timeout=0.5).decoder)
+    with pytest.raises(RemoteError, match="did not answer within 0.5 s"):
+        list(slow.stream(messages, image))
+    gone = RemoteDecoder(_settings("http://127.0.0.1:9/v1").decoder)
+    with pytest.raises(RemoteError, match="Cannot reach"):
+        list(gone.stream(messages, image))
+
+
+def test_missing_base_url_is_explained():
+    settings = _settings("")
+    with pytest.raises(RemoteError, match="MEDVQA_DECODER__BASE_URL"):
+        RemoteDecoder(settings.decoder)
