@@ -1,0 +1,256 @@
+"""Load test of the web app: N concurrent sessions, each uploading its own scan and asking M questions.
+
+    python scripts/bench_app.py --clients 8 --questions 2                 # starts app.py (offline profile)
+    python scripts/bench_app.py --clients 8 --questions 2 --url http://127.0.0.1:7860/
+
+Without --url the app is started on a free loopback port and stopped at the end. Every session
+uploads a different image (its own size and pattern) and tags its questions with its number, so a
+mix-up shows: a chat, export or scan that holds anything of another session counts as one. Time to
+first token is measured at the client, from sending a question to the first answer text streamed.
+The last line printed is
+
+    clients=N answers=A errors=E mixups=M ttft_p50_s=X ttft_p95_s=Y
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_CLIENTS, MAX_QUESTIONS = 64, 20
+QUESTIONS = [
+    "What abnormality is seen in this image?",
+    "Is there a pleural effusion?",
+    "Which organ is shown?",
+    "Describe the main finding.",
+    "Is this a CT or an MRI?",
+    "Where is the lesion located?",
+]
+
+
+@dataclass
+class SessionResult:
+    index: int
+    answers: int = 0
+    errors: list[str] = field(default_factory=list)
+    mixups: list[str] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8, help=f"concurrent sessions (1-{MAX_CLIENTS})")
+    parser.add_argument("--questions", type=int, default=2, help=f"questions per session (1-{MAX_QUESTIONS})")
+    parser.add_argument("--profile", default="offline", help="profile of the app started here (default offline)")
+    parser.add_argument("--url", default=None, help="an app already running; none is started then")
+    parser.add_argument("--answer-timeout", type=float, default=300, help="seconds one answer may take")
+    parser.add_argument("--deadline", type=float, default=1800, help="seconds the whole run may take")
+    parser.add_argument("--startup-timeout", type=float, default=1800,
+                        help="seconds to wait for the app to start (a first start builds the index)")
+    args = parser.parse_args(argv)
+    if not (1 <= args.clients <= MAX_CLIENTS and 1 <= args.questions <= MAX_QUESTIONS):
+        parser.error(f"--clients must be 1-{MAX_CLIENTS} and --questions 1-{MAX_QUESTIONS}")
+
+    server = None
+    url = args.url
+    try:
+        if url is None:
+            server, url = start_app(args.profile, args.startup_timeout)
+        with tempfile.TemporaryDirectory(prefix="medvqa-bench-") as folder:
+            results = run_sessions(url, args.clients, args.questions, Path(folder), args.answer_timeout,
+                                   args.deadline)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+    ttfts = sorted(t for r in results for t in r.ttft_s)
+    for r in results:
+        print(f"session {r.index}: answers={r.answers} errors={len(r.errors)} mixups={len(r.mixups)} "
+              f"ttft_s={[round(t, 2) for t in r.ttft_s]}" + "".join(f"\n  error: {e}" for e in r.errors)
+              + "".join(f"\n  mixup: {m}" for m in r.mixups))
+    answers = sum(r.answers for r in results)
+    errors = sum(len(r.errors) for r in results)
+    mixups = sum(len(r.mixups) for r in results)
+    print(f"clients={args.clients} answers={answers} errors={errors} mixups={mixups} "
+          f"ttft_p50_s={percentile(ttfts, 50):.2f} ttft_p95_s={percentile(ttfts, 95):.2f}")
+    return 0 if errors == 0 and mixups == 0 and answers == args.clients * args.questions else 1
+
+
+# ── The app ──────────────────────────────────────────────────────────────────────────────────
+
+def start_app(profile: str, timeout: float) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    print(f"starting app.py --profile {profile} on {url}", file=sys.stderr)
+    server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--profile", profile, "--host", "127.0.0.1",
+                               "--port", str(port)], cwd=REPO, env=dict(os.environ))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"app.py exited with status {server.returncode} before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return server, url
+        except OSError:
+            time.sleep(1)
+    server.terminate()
+    raise SystemExit(f"app.py did not serve {url} within {timeout:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ── Sessions ─────────────────────────────────────────────────────────────────────────────────
+
+def run_sessions(url: str, clients: int, questions: int, folder: Path, answer_timeout: float,
+                 deadline_s: float) -> list[SessionResult]:
+    results = [SessionResult(i) for i in range(clients)]
+    start = threading.Barrier(clients)
+    threads = [threading.Thread(target=session, daemon=True, name=f"session-{i}",
+                                args=(url, results[i], questions, folder, start, answer_timeout))
+               for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + deadline_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for result in results:
+        if not result.done:
+            result.errors.append(f"not finished within the {deadline_s:.0f} s deadline")
+    return results
+
+
+def session(url: str, result: SessionResult, questions: int, folder: Path, start: threading.Barrier,
+            answer_timeout: float) -> None:
+    from gradio_client import Client, handle_file
+
+    i = result.index
+    try:
+        client = Client(url, verbose=False)
+        image = session_image(i, folder)
+        _, viewer, *_, meta, chat = client.predict(handle_file(str(image)), api_name="/upload")
+        rows, columns = image_size(i)
+        if (meta or {}).get("Rows") != str(rows) or (meta or {}).get("Columns") != str(columns):
+            result.mixups.append(f"upload shows a scan of {meta.get('Rows')}x{meta.get('Columns')}, "
+                                 f"expected {rows}x{columns}")
+        if chat:
+            result.errors.append(f"upload: {plain(text_of(chat[-1]))[:200]}")
+            return
+        start.wait(timeout=600)
+        asked = []
+        for j in range(questions):
+            question = f"{QUESTIONS[(i + j) % len(QUESTIONS)]} (session {i}, question {j})"
+            asked.append(question)
+            ask(client, question, asked, result, answer_timeout)
+        as_json = client.predict(api_name="/export")[2]
+        exported = [turn["question"] for turn in json.loads(as_json)["turns"]] if as_json else []
+        if exported != asked:
+            result.mixups.append(f"export holds questions {exported}, asked {asked}")
+    except Exception as error:  # noqa: BLE001 - counted and reported
+        result.errors.append(f"{type(error).__name__}: {error}")
+    finally:
+        result.done = True
+
+
+def ask(client, question: str, asked: list[str], result: SessionResult, answer_timeout: float) -> None:
+    """Ask one question, streaming; check that the chat holds exactly this session's questions."""
+    sent = time.perf_counter()
+    job = client.submit(question, api_name="/ask")
+    first_token = None
+    chat = None
+    for chat, _ in job:
+        if time.perf_counter() - sent > answer_timeout:
+            job.cancel()
+            result.errors.append(f"{question!r}: no answer within {answer_timeout:.0f} s")
+            return
+        if first_token is None and chat and chat[-1]["role"] == "assistant" and answer_text(text_of(chat[-1])):
+            first_token = time.perf_counter() - sent
+    outputs = job.outputs()
+    chat = outputs[-1][0] if outputs else chat
+    if not chat:
+        result.errors.append(f"{question!r}: no reply")
+        return
+    users = [plain(text_of(m)) for m in chat if m["role"] == "user"]
+    if users != asked:
+        result.mixups.append(f"chat after {question!r} holds questions {users}")
+    reply = text_of(chat[-1])
+    if "medvqa-error" in reply:
+        result.errors.append(f"{question!r}: {plain(re.sub(r'<[^>]+>', '', reply))[:200]}")
+    elif "medvqa-sources" not in reply:
+        result.errors.append(f"{question!r}: the answer did not complete")
+    else:
+        result.answers += 1
+        result.ttft_s.append(first_token if first_token is not None else time.perf_counter() - sent)
+
+
+# ── Helpers ──────────────────────────────────────────────────────────────────────────────────
+
+def image_size(index: int) -> tuple[int, int]:
+    return 192 + 8 * index, 256 + 8 * index  # rows, columns: unique per session
+
+
+def session_image(index: int, folder: Path) -> Path:
+    """A grey-level PNG of its own size and pattern, standing in for one patient's radiograph."""
+    import numpy as np
+    from PIL import Image
+
+    rows, columns = image_size(index)
+    y, x = np.mgrid[0:rows, 0:columns]
+    rng = np.random.default_rng(index)
+    pixels = 128 + 80 * np.sin(x / (9 + index)) * np.cos(y / 13) + rng.normal(0, 12, (rows, columns))
+    path = folder / f"session-{index}.png"
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
+    return path
+
+
+def text_of(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content or "")
+
+
+def answer_text(reply: str) -> str:
+    """The streamed answer in a reply, without the status line or the sources block."""
+    if "medvqa-status" in reply or "medvqa-error" in reply:
+        return ""
+    return reply.split('<div class="medvqa-sources', 1)[0].strip()
+
+
+def plain(text: str) -> str:
+    return html.unescape(re.sub(r"\\(.)", r"\1", text))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

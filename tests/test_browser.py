@@ -1,0 +1,139 @@
+"""The web app in a real browser: Debian's Chromium driven by Playwright (`pytest -m browser`).
+
+Upload a DICOM, ask, watch the answer stream in, check that citations link to the passages' URLs
+and open their text, change the window and see the image change, and try an oversize upload.
+Screenshots of each state go to artifacts/browser/ (or $MEDVQA_ARTIFACTS_DIR).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_pipeline,  # noqa: F401 - fixtures
+                           ui_settings, upload_folder)
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(os.environ.get("MEDVQA_ARTIFACTS_DIR") or Path(__file__).resolve().parents[1] / "artifacts" / "browser")
+LAST_REPLY = "#medvqa-chat [data-testid='bot'] >> nth=-1"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):  # noqa: F811 - the fixture imported above
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(app_url)
+    page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
+    yield page
+    context.close()
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+
+
+def upload_scan(page, path: str) -> str:
+    """Upload a file and return the new `src` of the viewer's image."""
+    before = page.get_attribute("#medvqa-scan", "src") if page.query_selector("#medvqa-scan") else None
+    page.set_input_files("#medvqa-upload input[type=file]", path)
+    page.wait_for_function(
+        "before => { const img = document.querySelector('#medvqa-scan'); return img && img.src !== before; }",
+        arg=before)
+    return page.get_attribute("#medvqa-scan", "src")
+
+
+def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
+    from medvqa.imaging import open_scan
+
+    assert "not a diagnosis" in page.inner_text("#medvqa-notice")
+    ct = dicom_file("CT_small.dcm")
+    first_src = upload_scan(page, ct)
+    assert first_src.startswith("data:image/png;base64,")
+    assert "DICOM · 128×128 px" in page.inner_text("#medvqa-viewer")
+    screenshot(page, "01-scan-loaded.png")
+
+    # Ask, and watch the answer arrive piece by piece.
+    page.fill("#medvqa-question textarea", QUESTION)
+    page.click("#medvqa-ask")
+    partial: list[str] = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        reply = page.locator(LAST_REPLY)
+        if reply.count():
+            state = reply.evaluate(  # one read of the DOM, so text and state belong together
+                "el => [el.innerText.trim(), !!el.querySelector('.medvqa-status'),"
+                " !!el.querySelector('.medvqa-sources')]")
+            text, waiting, finished = state
+            if finished:
+                break
+            if text and not waiting and (not partial or partial[-1] != text):
+                partial.append(text)
+                if len(partial) == 2:
+                    screenshot(page, "02-answer-streaming.png")
+        time.sleep(0.01)
+    else:
+        pytest.fail(f"no complete answer within 120 s; saw {partial}")
+    assert len(partial) >= 2, f"the answer did not stream: {partial}"
+    assert all(b.startswith(a) for a, b in zip(partial, partial[1:])), partial
+
+    # Citations: numbered links whose href is the URL of the passage the retriever returned.
+    expected = [p.url for p in ui_pipeline.retrieve(QUESTION, open_scan(ct).render().safe_meta)]
+    assert expected, "the test index should hold passages about pleural effusion"
+    links = page.locator(LAST_REPLY).locator("a.medvqa-source-link")
+    assert [links.nth(i).get_attribute("href") for i in range(links.count())] == expected
+    assert links.first.get_attribute("target") == "_blank"
+    assert "noopener" in (links.first.get_attribute("rel") or "")
+    summary = page.locator(LAST_REPLY).locator("details summary").first
+    summary.click()
+    passage = page.locator(LAST_REPLY).locator("details blockquote").first
+    passage.wait_for(state="visible")
+    assert "effusion" in passage.inner_text().lower()
+    screenshot(page, "03-answer-with-sources.png")
+
+    # Change the window: the image changes.
+    page.click("#medvqa-preset input")
+    page.get_by_role("option", name="Lung (C -600 / W 1500)").click()
+    page.wait_for_function(
+        "before => document.querySelector('#medvqa-scan').src !== before", arg=first_src)
+    assert "lung window (C -600 / W 1500)" in page.inner_text("#medvqa-viewer")
+    lung_src = page.get_attribute("#medvqa-scan", "src")
+    screenshot(page, "04-lung-window.png")
+
+    # Typed centre / width: the image changes again.
+    center = page.locator("#medvqa-center input[type=number]")
+    center.fill("40")
+    center.press("Tab")  # the number box reports on blur
+    page.wait_for_function(
+        "before => document.querySelector('#medvqa-scan').src !== before", arg=lung_src)
+    assert "user window (C 40 / W 1500)" in page.inner_text("#medvqa-viewer")
+
+
+def test_oversize_upload_is_refused_with_a_message(page, tmp_path):
+    big = tmp_path / "too-big.dcm"
+    big.write_bytes(b"\0" * (MAX_UPLOAD_MB * 2**20 + 4096))
+    page.set_input_files("#medvqa-upload input[type=file]", str(big))
+    toast = page.get_by_text("exceed the maximum allowed size of 1.0 Mb", exact=False)  # Gradio's, before uploading
+    toast.first.wait_for(state="visible", timeout=30_000)
+    screenshot(page, "05-oversize-refused.png")
+    assert page.query_selector("#medvqa-scan") is None
+    upload_scan(page, dicom_file("CT_small.dcm"))  # the app still serves this tab
