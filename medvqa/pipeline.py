@@ -102,7 +102,7 @@ class _LRU:
 
 @dataclass
 class _PrefixState:
-    """The decoder cache of a conversation and the prompt ids it covers (image slots as -1)."""
+    """The decoder cache of a conversation and the prompt ids it covers (image slots keyed by content)."""
 
     ids: list[int]
     cache: object
@@ -230,7 +230,9 @@ class Pipeline:
             answer, _ = self.decoder.choose_answer(embeds, candidates)
             yield answer
             return
-        keyed_ids = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+        # Image slots are keyed by the pixels they hold, so a cache built on other pixels never matches.
+        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(conversation.image).tobytes()).hexdigest()[:12], 16)
+        keyed_ids = [image_key if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
         timings["reused_tokens"] = reused
         result = GenerationResult()

@@ -228,3 +228,12 @@ def test_offline_profile_answers_a_real_image():
                                max_new_tokens=16))
     answer = events[-1].answer
     assert answer and any(c.isalpha() for c in answer)
+
+
+def test_prefix_cache_is_not_reused_across_different_pixels(tiny_pipeline):
+    conversation = Conversation(image=_image(11))
+    list(tiny_pipeline.ask(conversation, "What is shown?", max_new_tokens=4))
+    conversation.image = _image(12)  # same conversation id, new pixels (e.g. a window change)
+    done = list(tiny_pipeline.ask(conversation, "And now?", max_new_tokens=4))[-1]
+    start = tiny_pipeline.prompts.build("x").image_mask.index(True)
+    assert done.timings["reused_tokens"] <= start  # only the text before the image can be shared
