@@ -72,6 +72,12 @@ class RetrievalConfig:
     dense_weight: float = 1.0  # weight of the dense ranking in the fusion
     bm25_weight: float = 1.0  # weight of the BM25 ranking in the fusion
     min_dense_score: float = 0.35  # cosine below which a passage is not relevant enough to cite
+    # Off-topic gate: a question whose cosine with the corpus centroid is below min_topic_score gets no
+    # sources unless some passage reaches strong_match_score. MiniLM on the default corpus: clinical
+    # questions mostly 0.2-0.65 (a few 0.08-0.11, e.g. "dental caries", best passage 0.70); off-topic
+    # ones -0.08-0.08 with best passages <= 0.54 ("capital of France" finds a hospital in France).
+    min_topic_score: float = 0.15
+    strong_match_score: float = 0.6
     relevance_margin: float = 0.2  # also drop passages whose cosine is this far below the best candidate's
     passage_embedder: str = ""  # passage-side encoder when it differs (MedCPT-Article-Encoder); "" = embedder
     pooling: str = "auto"  # "auto" (the model's own), or "cls"/"mean"/"max" for plain Hugging Face encoders
@@ -83,6 +89,7 @@ class RetrievalConfig:
     chunk_overlap: int = 40  # tokens shared by consecutive chunks of one text
     hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
     ivf_nprobe: int = 32  # IVF lists visited per query (recall vs latency)
+    query_threads: int = 1  # torch/FAISS threads for one query, in the calling thread only (0 = as set)
     prompt_gate: str = "always"  # passages in the decoder prompt: "always", or "open" (not for closed questions)
 
 

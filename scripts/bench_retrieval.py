@@ -1,0 +1,246 @@
+"""Retrieval benchmarks.
+
+    python scripts/bench_retrieval.py quality [--json]
+        On pubmed_abstracts.jsonl each article's `question_title` is a query and that article's
+        passages (same `pmid`) are the gold. Prints recall@1/5/10 (share of queries with a gold
+        passage in the top k) and MRR (first gold within the top 100) for BM25, dense and fused
+        rankings (before the relevance cut and de-duplication, which only shorten the list).
+        With --json the last line is one JSON object.
+
+    python scripts/bench_retrieval.py scale --n 1000000
+        Random unit vectors of the embedder's dimension: build time, index bytes, resident memory,
+        p50/p99 single-query latency for Flat, HNSW and IVF-PQ, and recall@10 of HNSW and IVF-PQ
+        against Flat (exact). Uniform random vectors have no cluster structure, the hardest case
+        for approximate indexes; `--data clustered` draws them around 1,000 centres instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from medvqa.config import load_settings  # noqa: E402
+
+KS = (1, 5, 10)
+DEPTH = 100
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    quality = commands.add_parser("quality", help="recall@k and MRR of BM25, dense and fused")
+    quality.add_argument("--corpus", default=None, help="default: ../shared/data/corpus/pubmed_abstracts.jsonl")
+    quality.add_argument("--index-dir", default=None, help="where the benchmark index is cached (default index/)")
+    quality.add_argument("--rebuild", action="store_true")
+    quality.add_argument("--json", action="store_true", help="end with one JSON line")
+    scale = commands.add_parser("scale", help="FAISS index types on random vectors")
+    scale.add_argument("--n", type=int, default=1_000_000)
+    scale.add_argument("--dim", type=int, default=None, help="default: the embedder's dimension")
+    scale.add_argument("--queries", type=int, default=200)
+    scale.add_argument("--types", default="flat,hnsw,ivfpq")
+    scale.add_argument("--data", choices=("uniform", "clustered"), default="uniform")
+    scale.add_argument("--seed", type=int, default=0)
+    scale.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return run_quality(args) if args.command == "quality" else run_scale(args)
+
+
+# --- quality --------------------------------------------------------------------------------------
+
+def run_quality(args) -> int:
+    from medvqa.retrieval import Retriever, build_index
+    from medvqa.retrieval.index import MANIFEST
+
+    config = load_settings().retrieval
+    corpus = Path(args.corpus or Path(config.corpus[0]).parent / "pubmed_abstracts.jsonl")
+    if not corpus.is_file():
+        print(f"error: {corpus} not found (run scripts/fetch_corpus.py)", file=sys.stderr)
+        return 2
+    index_root = Path(args.index_dir or config.index_dir)
+    name = "bench-" + corpus.stem
+    index_dir = index_root / name
+    if args.rebuild or not _built_from(index_dir / MANIFEST, corpus, config.embedder):
+        started = time.perf_counter()
+        build_index([str(corpus)], index_dir, config.embedder, overwrite=True, progress=True,
+                    passage_embedder=config.passage_embedder, pooling=config.pooling, device=config.device,
+                    chunk_tokens=config.chunk_tokens, chunk_overlap=config.chunk_overlap)
+        print(f"built {index_dir} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    retriever = Retriever.open(replace(config, index_dir=str(index_root), index_name=name))
+
+    row_pmid, queries = {}, {}
+    for start in range(0, len(retriever), 4096):
+        for row, record in retriever.store.get(list(range(start, min(start + 4096, len(retriever))))).items():
+            row_pmid[row] = str(record["extra"].get("pmid", ""))
+            queries.setdefault(row_pmid[row], record["extra"].get("question_title", ""))
+    queries = {pmid: q for pmid, q in queries.items() if pmid and q}
+
+    first_gold = {"bm25": [], "dense": [], "fused": []}
+    started = time.perf_counter()
+    for pmid, question in queries.items():
+        ranking = retriever.rank(question, depth=DEPTH)
+        lists = {"bm25": ranking.bm25, "dense": ranking.dense, "fused": [row for row, _, _ in ranking.fused]}
+        for method, rows in lists.items():
+            rank = next((i for i, row in enumerate(rows[:DEPTH], start=1) if row_pmid[row] == pmid), None)
+            first_gold[method].append(rank)
+    elapsed = time.perf_counter() - started
+
+    results = {method: _metrics(ranks) for method, ranks in first_gold.items()}
+    print(f"{len(queries)} queries over {len(retriever)} passages from {corpus.name} "
+          f"({elapsed / len(queries) * 1000:.1f} ms a query, embedder {config.embedder})")
+    print(f"{'method':<8}{'MRR':>8}" + "".join(f"{'R@' + str(k):>8}" for k in KS))
+    for method, values in results.items():
+        print(f"{method:<8}{values['mrr']:>8.4f}" + "".join(f"{values[f'recall@{k}']:>8.4f}" for k in KS))
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def _metrics(first_ranks: list[int | None]) -> dict[str, float]:
+    n = len(first_ranks)
+    values = {"mrr": round(sum(1 / r for r in first_ranks if r) / n, 4)}
+    for k in KS:
+        values[f"recall@{k}"] = round(sum(1 for r in first_ranks if r and r <= k) / n, 4)
+    return values
+
+
+def _built_from(manifest_path: Path, corpus: Path, embedder: str) -> bool:
+    if not manifest_path.is_file():
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    return manifest.get("embedder") == embedder and [f["sha256"] for f in manifest["corpus_files"]] == [digest]
+
+
+# --- scale ----------------------------------------------------------------------------------------
+
+def run_scale(args) -> int:
+    import faiss
+
+    from medvqa.retrieval.index import new_faiss_index, training_size
+    from medvqa.retrieval.search import query_threads
+
+    config = load_settings().retrieval
+    dim = args.dim or _embedder_dimension(config.embedder)
+    kinds = [kind.strip() for kind in args.types.split(",") if kind.strip()]
+    blocks = _Blocks(args.n, dim, args.seed, args.data)
+    queries = blocks.queries(args.queries)  # (Q, d)
+    print(f"{args.n:,} {args.data} random unit vectors of dimension {dim}; {args.queries} single-vector queries; "
+          f"faiss {faiss.__version__}, built on {faiss.omp_get_max_threads()} threads, queried on "
+          f"{config.query_threads or faiss.omp_get_max_threads()}", flush=True)
+
+    truth = None
+    rows = []
+    for kind in ["flat"] + [k for k in kinds if k != "flat"]:
+        gc.collect()
+        rss_before = _rss_bytes()
+        started = time.perf_counter()
+        index, params = new_faiss_index(kind, dim, args.n)
+        if kind == "hnsw":
+            index.hnsw.efSearch = config.hnsw_ef_search
+        if not index.is_trained:
+            index.train(blocks.sample(training_size(index, args.n)))
+        for block in blocks:
+            index.add(block)  # (B, d)
+        if kind == "ivfpq":
+            faiss.extract_index_ivf(index).nprobe = config.ivf_nprobe
+        build_s = time.perf_counter() - started
+        rss = _rss_bytes() - rss_before
+        size = _index_bytes(index)
+        latencies, found = [], []
+        with query_threads(config.query_threads):  # as Retriever.search runs them
+            for query in queries:
+                start = time.perf_counter()
+                _, ids = index.search(query[None, :], 10)  # (1, 10)
+                latencies.append(time.perf_counter() - start)
+                found.append(ids[0])
+        if kind == "flat":
+            truth = found
+        recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth)]))
+        row = {"type": kind, "params": params, "build_s": round(build_s, 1), "index_mib": round(size / 2**20, 1),
+               "rss_mib": round(rss / 2**20, 1), "p50_ms": round(float(np.percentile(latencies, 50)) * 1000, 2),
+               "p99_ms": round(float(np.percentile(latencies, 99)) * 1000, 2), "recall@10": round(recall, 4)}
+        rows.append(row)
+        print(f"{kind}: {row}", file=sys.stderr, flush=True)
+        del index
+        if kind == "flat" and "flat" not in kinds:
+            rows.pop()
+
+    print(f"{'type':<7}{'build s':>9}{'index MiB':>11}{'RSS MiB':>9}{'p50 ms':>8}{'p99 ms':>8}{'R@10':>7}  params")
+    for row in rows:
+        print(f"{row['type']:<7}{row['build_s']:>9.1f}{row['index_mib']:>11.1f}{row['rss_mib']:>9.1f}"
+              f"{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}{row['recall@10']:>7.3f}  {row['params']}")
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+class _Blocks:
+    """The dataset, regenerated block by block from seeds, so it is never held twice in memory."""
+
+    def __init__(self, n: int, dim: int, seed: int, kind: str, block: int = 100_000):
+        self.n, self.dim, self.seed, self.kind, self.block = n, dim, seed, kind, block
+        self.centres = _unit(np.random.default_rng(seed + 10**6).standard_normal((1000, dim), dtype=np.float32))
+
+    def _make(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        points = rng.standard_normal((count, self.dim), dtype=np.float32)
+        if self.kind == "clustered":
+            points = self.centres[rng.integers(0, len(self.centres), count)] + 0.06 * points
+        return _unit(points)
+
+    def __iter__(self):
+        for i, start in enumerate(range(0, self.n, self.block)):
+            yield self._make(np.random.default_rng(self.seed + i), min(self.block, self.n - start))
+
+    def sample(self, count: int) -> np.ndarray:
+        # Training sample: the first blocks are already a uniform sample of the data.
+        taken, parts = 0, []
+        for block in self:
+            parts.append(block[:count - taken])
+            taken += len(parts[-1])
+            if taken >= count:
+                break
+        return np.concatenate(parts)
+
+    def queries(self, count: int) -> np.ndarray:
+        return self._make(np.random.default_rng(self.seed + 10**7), count)
+
+
+def _unit(points: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(points / np.linalg.norm(points, axis=1, keepdims=True), dtype=np.float32)
+
+
+def _embedder_dimension(spec: str) -> int:
+    from medvqa.retrieval.embed import load_embedder
+    return load_embedder(spec, device="cpu").dimension
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _index_bytes(index) -> int:
+    import faiss
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "index")
+        faiss.write_index(index, path)
+        return os.path.getsize(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
