@@ -11,7 +11,7 @@ GitHub repositories at pinned commits, and writes `roco_captions.jsonl` and
 - pinned: every file comes from a fixed commit, never from a moving branch;
 - verified: each download is checked against the git blob hash that the pinned commit's tree lists
   for that path (a content hash: a truncated, corrupted or substituted file is refused), and the
-  SHA-256 of every raw file and output is printed;
+  SHA-256 of each JSONL written is printed;
 - resumable: downloads go to `<out>/.downloads/` as `.part` files continued with HTTP range
   requests; verified files are not fetched again;
 - progress: one progress bar a file.
