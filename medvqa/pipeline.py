@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from .answers import closed_candidates
-from .config import Settings
-from .decoder import Decoder, GenerationResult, hub_offline_env
+from .config import Settings, resolve_path
+from .decoder import Decoder, GenerationResult, hub_offline_env, resolve_decoder_folder
 from .device import pick_device, pick_dtype
 from .projector import Projector
 from .prompt import PromptBuilder, Turn, merge_image_features
+from .llama_engine import LlamaCppDecoder, llama_cpp_available
 from .remote import RemoteDecoder
 from .vision import VisionEncoder, build_vision
 
@@ -142,8 +143,7 @@ class Pipeline:
             vision, projector, decoder = None, None, RemoteDecoder(settings.decoder)
         else:
             vision = build_vision(settings.vision, device, dtype, settings.offline)
-            decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline,
-                                   settings.profile)
+            decoder = load_local_decoder(settings, device, dtype)
             projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device, dtype)
         if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
             from .retrieval import Retriever, ensure_default_index
@@ -224,15 +224,25 @@ class Pipeline:
 
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
+        # Image slots are keyed by the pixels they hold, so a cache built on other pixels never matches.
+        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(conversation.image).tobytes()).hexdigest()[:12], 16)
+        keyed_ids = [image_key if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+        if isinstance(self.decoder, LlamaCppDecoder):
+            # llama.cpp takes the image tokens as embeddings and keeps its own prefix cache.
+            image_tokens = self.image_tokens(conversation.image)[0].float().cpu().numpy()  # (N, d_l)
+            if candidates:
+                yield self.decoder.choose_answer(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
+                                                 candidates)[0]
+                return
+            yield from self.decoder.stream(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
+                                           max_new_tokens=max_new_tokens, seed=self.settings.seed, timings=timings)
+            return
         embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             answer, _ = self.decoder.choose_answer(embeds, candidates)
             yield answer
             return
-        # Image slots are keyed by the pixels they hold, so a cache built on other pixels never matches.
-        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(conversation.image).tobytes()).hexdigest()[:12], 16)
-        keyed_ids = [image_key if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
         timings["reused_tokens"] = reused
         result = GenerationResult()
@@ -282,6 +292,32 @@ class Pipeline:
         self.prefix_cache.pop(conversation_id)  # the cache is extended in place from here on
         state.cache.crop(shared - len(state.ids))  # a negative count removes that many tokens
         return state.cache, shared
+
+
+def choose_engine(settings: Settings) -> str:
+    """"auto" means llama.cpp when it is installed and the decoder is a GGUF file, else transformers."""
+    engine = settings.decoder.engine
+    if engine == "auto":
+        is_gguf = resolve_path(settings.decoder.name_or_path).endswith(".gguf")
+        engine = "llama.cpp" if is_gguf and llama_cpp_available() else "transformers"
+    return engine
+
+
+def load_local_decoder(settings: Settings, device: torch.device, dtype: torch.dtype):
+    engine = choose_engine(settings)
+    if engine == "llama.cpp":
+        from transformers import AutoTokenizer
+
+        gguf = resolve_path(settings.decoder.name_or_path)
+        if not gguf.endswith(".gguf"):
+            raise ValueError(f"The llama.cpp engine needs a GGUF decoder file, not {gguf!r}; convert the model "
+                             f"with llama.cpp's convert_hf_to_gguf.py first.")
+        # The tokenizer of the converted folder: the same ids the projector was trained with.
+        tokenizer = AutoTokenizer.from_pretrained(resolve_decoder_folder(settings.decoder, settings.cache_dir))
+        return LlamaCppDecoder(gguf, tokenizer, settings.decoder, n_threads=torch.get_num_threads())
+    if engine != "transformers":
+        raise ValueError(f"Unknown decoder engine {engine!r}; use auto, transformers, llama.cpp or openai.")
+    return Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
 
 
 def build_projector(settings: Settings, vision_size: int, text_size: int) -> Projector:

@@ -28,7 +28,7 @@ from tqdm import tqdm  # noqa: E402
 from medvqa.answers import closed_correct, open_exact, open_recall  # noqa: E402
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
-from medvqa.pipeline import Pipeline  # noqa: E402
+from medvqa.pipeline import Pipeline, choose_engine  # noqa: E402
 from medvqa.training import read_image  # noqa: E402
 
 CONDITIONS = ("retrieval", "no_retrieval", "shuffled_image", "blank_image")
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--split", required=True)
     parser.add_argument("--limit", type=int, default=None, help="deterministic type-balanced subset of N")
     parser.add_argument("--profile", choices=PROFILES, default="offline")
+    parser.add_argument("--engine", default=None, help="decoder engine (default: the profile's)")
     parser.add_argument("--json", default=None, help="write the summary object here")
     parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     parser.add_argument("--no-free-closed", action="store_true",
@@ -86,12 +87,15 @@ def main() -> None:
     args = parser.parse_args()
 
     settings = load_settings(args.profile)
+    if args.engine:
+        settings.decoder.engine = args.engine
     torch.manual_seed(settings.seed)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
     shuffled = derangement(examples)
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
-    run_name = f"eval-{args.profile}-{args.dataset}-{args.split}-{args.limit or 'all'}-{projector_id}.jsonl"
+    engine = choose_engine(settings)
+    run_name = f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{projector_id}.jsonl"
     results_path = Path(args.run_dir) / run_name
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -146,6 +150,7 @@ def main() -> None:
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
+    summary["engine"] = engine
     _print_table(summary)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

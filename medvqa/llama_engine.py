@@ -1,0 +1,264 @@
+"""llama.cpp decoder engine: the decoder's GGUF run by llama-cpp-python, image tokens fed as embeddings.
+
+On a CPU a 135M-parameter decoder is bound by per-token Python and dispatch overhead under
+transformers (a quarter of what memory bandwidth allows); llama.cpp decodes the quantised GGUF at
+close to the bandwidth limit. Text goes in as token ids; the projected image tokens go in through
+llama.cpp's batch API as input embeddings (`llama_batch_init(n, n_embd, 1)`, `batch.embd`), after
+which generation continues normally.
+
+The engine keeps its own prefix cache: each of a few sequences in one context keeps the keys/values of
+a conversation's last prompt and answer, and the next prompt that shares a prefix with one of them
+(the next turn of that conversation) only runs the new tokens. Image positions are keyed by content,
+so a different image never matches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .config import DecoderConfig
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class _Slot:
+    """One llama.cpp sequence: the keys/values of one conversation's latest prompt and answer."""
+
+    seq_id: int
+    cached: list[int] = field(default_factory=list)  # keyed ids whose keys/values the sequence holds
+    busy: bool = False
+    last_used: float = 0.0
+
+
+class LlamaCppDecoder:
+    """Implements the pipeline's local-decoder contract on llama.cpp (greedy or sampled, streamed).
+
+    One context holds `slots` sequences in a unified key/value cache. A generation takes the free
+    slot whose cache shares the longest prefix with its prompt (its own conversation's previous turn,
+    if still there) and holds the context lock for one decode call at a time, never across a yield,
+    so concurrent answers interleave token by token.
+    """
+
+    def __init__(self, gguf_path: str, tokenizer, config: DecoderConfig, n_threads: int | None = None,
+                 slots: int = 8):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.config = config
+        self.tokenizer = tokenizer
+        threads = n_threads or os.cpu_count() or 1
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load the decoder GGUF at {gguf_path}.")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = config.context_window * slots
+        params.n_batch = params.n_ubatch = 512
+        params.n_seq_max = slots
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context for the decoder.")
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.hidden_size = int(llama_cpp.llama_model_n_embd(self.model))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self.eos_ids = {int(llama_cpp.llama_vocab_eos(vocab)), int(llama_cpp.llama_vocab_eot(vocab))} - {-1}
+        for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                self.eos_ids.add(token_id)
+        self._tokens = llama_cpp.llama_batch_init(512, 0, 1)
+        self._embeds = llama_cpp.llama_batch_init(512, self.hidden_size, 1)
+        self._memory = llama_cpp.llama_get_memory(self.ctx)
+        self._slots = [_Slot(seq_id) for seq_id in range(slots)]
+        self._slots_changed = threading.Condition()
+        self._lock = threading.Lock()  # the context: one decode call at a time
+
+    def __del__(self):
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        for name in ("_tokens", "_embeds"):
+            if hasattr(self, name):
+                lib.llama_batch_free(getattr(self, name))
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+
+    # --- slots -----------------------------------------------------------------------------------
+
+    def _take_slot(self, keyed_ids: list[int]) -> _Slot:
+        with self._slots_changed:
+            while all(slot.busy for slot in self._slots):
+                self._slots_changed.wait()
+            free = [slot for slot in self._slots if not slot.busy]
+            slot = max(free, key=lambda s: (_shared_prefix(s.cached, keyed_ids), -s.last_used))
+            if _shared_prefix(slot.cached, keyed_ids) == 0:
+                slot = min(free, key=lambda s: s.last_used)  # nothing to reuse: evict the oldest
+            slot.busy = True
+            return slot
+
+    def _give_back(self, slot: _Slot) -> None:
+        with self._slots_changed:
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            self._slots_changed.notify()
+
+    # --- feeding (call with the lock held) ----------------------------------------------------------
+
+    def _decode(self, batch, count: int, start: int, seq_id: int, want_logits: bool) -> None:
+        batch.n_tokens = count
+        for i in range(count):
+            batch.pos[i] = start + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = int(want_logits and i == count - 1)
+        status = self._lib.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama.cpp could not decode the batch (status {status}); "
+                               f"the prompt may exceed the context window of {self.config.context_window}.")
+
+    def _feed_tokens(self, slot: _Slot, token_ids: list[int], want_logits: bool) -> None:
+        for offset in range(0, len(token_ids), 512):
+            chunk = token_ids[offset:offset + 512]
+            for i, token in enumerate(chunk):
+                self._tokens.token[i] = token
+            last = offset + len(chunk) == len(token_ids)
+            self._decode(self._tokens, len(chunk), len(slot.cached) + offset, slot.seq_id, want_logits and last)
+
+    def _feed_embeddings(self, slot: _Slot, embeddings: np.ndarray, want_logits: bool) -> None:
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)  # (n, d)
+        for offset in range(0, len(embeddings), 512):
+            chunk = embeddings[offset:offset + 512]
+            ctypes.memmove(self._embeds.embd, chunk.ctypes.data, chunk.nbytes)
+            last = offset + len(chunk) == len(embeddings)
+            self._decode(self._embeds, len(chunk), len(slot.cached) + offset, slot.seq_id, want_logits and last)
+
+    def _logits(self) -> np.ndarray:
+        pointer = self._lib.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+
+    def _truncate(self, slot: _Slot, length: int) -> None:
+        self._lib.llama_memory_seq_rm(self._memory, slot.seq_id, length, -1)
+        del slot.cached[length:]
+
+    def _prefill(self, slot: _Slot, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
+                 image_tokens: np.ndarray) -> tuple[np.ndarray, int]:
+        """Bring the slot to this prompt, keeping the longest cached prefix; return (logits, reused)."""
+        reused = min(_shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
+        self._truncate(slot, reused)
+        position, image_row = reused, sum(image_mask[:reused])
+        while position < len(token_ids):
+            end, is_image = position, image_mask[position]
+            while end < len(token_ids) and image_mask[end] == is_image:
+                end += 1
+            last = end == len(token_ids)
+            if is_image:
+                self._feed_embeddings(slot, image_tokens[image_row:image_row + end - position], last)
+                image_row += end - position
+            else:
+                self._feed_tokens(slot, token_ids[position:end], last)
+            slot.cached += keyed_ids[position:end]
+            position = end
+        return self._logits(), reused
+
+    # --- the decoder contract ---------------------------------------------------------------------
+
+    def stream(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool], image_tokens: np.ndarray,
+               *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               seed: int = 0, ignore_eos: bool = False, timings: dict | None = None) -> Iterator[str]:
+        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        temperature = self.config.temperature if temperature is None else temperature
+        top_p = self.config.top_p if top_p is None else top_p
+        rng = np.random.default_rng(seed)
+        slot = self._take_slot(keyed_ids)
+        try:
+            with self._lock:
+                logits, reused = self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)
+            if timings is not None:
+                timings["reused_tokens"] = reused
+            generated: list[int] = []
+            printed = ""
+            for step in range(max_new_tokens):
+                token = _choose(logits, temperature, top_p, rng)
+                if token in self.eos_ids and not ignore_eos:
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if not text.endswith("\ufffd") and len(text) > len(printed):
+                    yield text[len(printed):]
+                    printed = text
+                if step == max_new_tokens - 1:
+                    break
+                with self._lock:
+                    self._feed_tokens(slot, [token], True)
+                    slot.cached.append(token)
+                    logits = self._logits()
+        finally:
+            self._give_back(slot)
+
+    def choose_answer(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
+                      image_tokens: np.ndarray, candidates: list[str]) -> tuple[str, list[float]]:
+        """The candidate with the highest mean token log-probability after the prompt."""
+        slot = self._take_slot(keyed_ids)
+        try:
+            with self._lock:
+                logits, _ = self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)
+                prompt_length = len(slot.cached)
+                scores = []
+                for candidate in candidates:
+                    ids = self.tokenizer(candidate, add_special_tokens=False)["input_ids"]
+                    log_probs = [_log_softmax(logits)[ids[0]]]
+                    for index, token in enumerate(ids[:-1]):
+                        self._feed_tokens(slot, [token], True)
+                        slot.cached.append(token)
+                        log_probs.append(_log_softmax(self._logits())[ids[index + 1]])
+                    self._truncate(slot, prompt_length)
+                    scores.append(float(np.mean(log_probs)))
+        finally:
+            self._give_back(slot)
+        best = int(np.argmax(scores))
+        return candidates[best], scores
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    limit = min(len(a), len(b))
+    shared = 0
+    while shared < limit and a[shared] == b[shared]:
+        shared += 1
+    return shared
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def _choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    probs = np.exp(_log_softmax(logits / temperature))
+    if top_p < 1.0:
+        order = np.argsort(-probs)
+        cumulative = np.cumsum(probs[order])
+        keep = order[cumulative - probs[order] < top_p]
+        mask = np.zeros_like(probs)
+        mask[keep] = probs[keep]
+        probs = mask
+    return int(rng.choice(len(probs), p=probs / probs.sum()))

@@ -1,0 +1,74 @@
+"""The llama.cpp engine on the offline profile's real GGUF (skipped where llama-cpp-python is absent)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -r requirements-llama.txt)")
+
+from medvqa.config import load_settings  # noqa: E402
+from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pipelines():
+    llama = load_settings("offline")
+    llama.decoder.engine = "llama.cpp"
+    reference = load_settings("offline")
+    reference.decoder.engine = "transformers"
+    return (Pipeline.load(llama, with_retrieval=False), Pipeline.load(reference, with_retrieval=False))
+
+
+def _image(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+
+
+def test_llama_cpp_logits_follow_transformers(pipelines):
+    """Same weights (Q4_1 values, de-quantised exactly for transformers), same image tokens: the
+    next-token distributions after the prompt agree."""
+    llama, reference = pipelines
+    image = _image(0)
+    prompt = reference.prompts.build("What organ is shown in this image?")
+    keyed = [-7 if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]
+    tokens = llama.image_tokens(image)[0].float().numpy()
+    slot = llama.decoder._take_slot(keyed)
+    try:
+        ours, _ = llama.decoder._prefill(slot, keyed, prompt.token_ids, prompt.image_mask, tokens)
+    finally:
+        llama.decoder._give_back(slot)
+    embeds = reference._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
+    theirs = reference.decoder.prefill(embeds)[0][0].numpy()
+    assert np.corrcoef(ours, theirs)[0, 1] > 0.98
+    assert int(np.argmax(ours)) == int(np.argmax(theirs))
+
+
+def test_llama_cpp_streams_reuses_the_prefix_and_answers_closed_questions(pipelines):
+    llama, _ = pipelines
+    conversation = Conversation(image=_image(1))
+    first = [e for e in llama.ask(conversation, "Describe the image.", constrained=False, max_new_tokens=12)][-1]
+    second = [e for e in llama.ask(conversation, "Which side is abnormal?", constrained=False,
+                                   max_new_tokens=12)][-1]
+    assert isinstance(first, Done) and first.answer
+    assert second.timings["reused_tokens"] > first.timings["prompt_tokens"] // 2
+    answer, _ = llama.answer(_image(2), "Is there a pleural effusion?", use_retrieval=False, constrained=True)
+    assert answer in ("Yes", "No")
+
+
+def test_interleaved_answers_match_answers_alone(pipelines):
+    """Two conversations stepped in turn on one context give the answers each gives alone (the web
+    app interleaves concurrent answers token by token)."""
+    llama, _ = pipelines
+    questions = [(_image(3), "Describe the image."), (_image(4), "What organ is shown?")]
+    alone = [llama.answer(image, question, use_retrieval=False, constrained=False)[0]
+             for image, question in questions]
+    streams = [llama.ask(Conversation(image=image), question, use_retrieval=False, constrained=False)
+               for image, question in questions]
+    finished = [None, None]
+    while any(f is None for f in finished):
+        for index, stream in enumerate(streams):
+            if finished[index] is None:
+                event = next(stream)
+                if isinstance(event, Done):
+                    finished[index] = event.answer
+    assert finished == alone
