@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class Sources:
     passages: list  # retrieval.Passage, numbered [1..n] in this order
     note: str = ""  # why there are none, when there are none
+    in_prompt: bool = True  # whether the decoder reads them (see retrieval.prompt_gate)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Done:
     passages: list
     window: str
     timings: dict = field(default_factory=dict)
+    in_prompt: bool = True  # whether the passages were in the decoder's prompt
 
 
 @dataclass
@@ -194,9 +196,10 @@ class Pipeline:
         timings["retrieval_s"] = time.perf_counter() - start
         note = "" if passages else ("No literature passage was relevant enough to cite."
                                     if use_retrieval and self.retriever is not None else "Retrieval is off.")
-        yield Sources(passages, note)
+        in_prompt = self._passages_in_prompt(question)
+        yield Sources(passages, note, in_prompt)
 
-        prompt_passages = passages if self._passages_in_prompt(question) else []
+        prompt_passages = passages if in_prompt else []
         if constrained is None:
             constrained = self.settings.decoder.constrained_closed
         if isinstance(self.decoder, RemoteDecoder):
@@ -220,7 +223,7 @@ class Pipeline:
         timings.setdefault("ttft_s", time.perf_counter() - start)
         timings["total_s"] = time.perf_counter() - start
         conversation.history.append(Turn(question, answer, prompt_passages))
-        yield Done(answer, passages, conversation.window, timings)
+        yield Done(answer, passages, conversation.window, timings, in_prompt)
 
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
@@ -254,10 +257,13 @@ class Pipeline:
     def _passages_in_prompt(self, question: str) -> bool:
         """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).
 
-        `retrieval.prompt_gate`: "always", or "open" to keep them out of closed (yes/no, either/or)
-        questions, where the small decoder was measured to be distracted by them (scripts/evaluate.py).
+        `retrieval.prompt_gate`: "always"; "open" keeps them out of closed (yes/no, either/or) questions;
+        "never" shows them as related literature only. The offline profile's 135M decoder, trained
+        without passages, answers worse with them in its prompt (scripts/evaluate.py), so it uses "never".
         """
         gate = self.settings.retrieval.prompt_gate
+        if gate not in ("always", "open", "never"):
+            raise ValueError(f"retrieval.prompt_gate must be always, open or never, not {gate!r}")
         return gate == "always" or (gate == "open" and closed_candidates(question) is None)
 
     def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,

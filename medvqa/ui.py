@@ -374,8 +374,9 @@ class _Handlers:
                 if isinstance(event, Sources):
                     answer.passages = list(event.passages)
                     answer.note = answer.note or event.note
+                    answer.in_prompt = event.in_prompt
                     answer.started = True
-                    reply["content"] = _status("Answering…") if not answer.passages else \
+                    reply["content"] = _status("Answering…") if not (answer.passages and answer.in_prompt) else \
                         _status(f"Answering with {len(answer.passages)} literature passage(s)…")
                 elif isinstance(event, Token):
                     answer.text += event.text
@@ -435,11 +436,13 @@ class _Answer:
     note: str = ""
     window: str = ""
     started: bool = False
+    in_prompt: bool = True  # the model read the passages (else they are related literature only)
 
     def record(self, stopped: bool = False) -> dict:
         return {"question": self.question, "answer": self.text.strip(), "stopped": stopped,
                 "window": self.window or self.scan.describe_window(), "frame": self.scan.frame_index + 1,
                 "citations": [_citation(n, p) for n, p in enumerate(self.passages, start=1)],
+                "citations_read_by_model": self.in_prompt,
                 **({"note": self.note} if not self.passages and self.note else {})}
 
 
@@ -485,10 +488,10 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         return body or _status("Answering…")
     if not body:
         body = "_(The model gave no answer.)_"
-    return body + "\n\n" + _sources_html(answer.passages, answer.note)
+    return body + "\n\n" + _sources_html(answer.passages, answer.note, answer.in_prompt)
 
 
-def _sources_html(passages: list, note: str) -> str:
+def _sources_html(passages: list, note: str, in_prompt: bool = True) -> str:
     """The numbered sources of an answer. One HTML block with no blank line, so Markdown leaves it be."""
     if not passages:
         reason = html.escape(note or "No literature passage was retrieved.")
@@ -502,7 +505,9 @@ def _sources_html(passages: list, note: str) -> str:
             + (f' <small>({origin})</small>' if origin else "")
             + f'<details><summary>Passage text</summary><blockquote>{html.escape(passage.text)}</blockquote>'
               f'</details></li>')
-    return f'<div class="medvqa-sources"><b>Sources</b><ol>{"".join(items)}</ol></div>'
+    heading = "<b>Sources</b>" if in_prompt else \
+        "<b>Related literature</b> <small>(retrieved for your question; this model answers from the image alone)</small>"
+    return f'<div class="medvqa-sources">{heading}<ol>{"".join(items)}</ol></div>'
 
 
 def _passage_label(passage, limit: int = 90) -> str:
@@ -594,7 +599,8 @@ def export_markdown(record: dict) -> str:
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
         if turn["citations"]:
-            lines.append("Sources:")
+            lines.append("Sources:" if turn.get("citations_read_by_model", True) else
+                         "Related literature (not read by the model):")
             lines += [_markdown_citation(citation) for citation in turn["citations"]]
             lines.append("")
         elif not turn["stopped"]:

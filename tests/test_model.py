@@ -237,3 +237,30 @@ def test_prefix_cache_is_not_reused_across_different_pixels(tiny_pipeline):
     done = list(tiny_pipeline.ask(conversation, "And now?", max_new_tokens=4))[-1]
     start = tiny_pipeline.prompts.build("x").image_mask.index(True)
     assert done.timings["reused_tokens"] <= start  # only the text before the image can be shared
+
+
+def test_prompt_gate_controls_whether_the_decoder_reads_the_passages(tiny_pipeline):
+    from medvqa.retrieval import Passage
+
+    class OnePassage:  # the retriever's interface: search(query, k, safe_meta) -> [Passage]
+        def search(self, query, k=None, safe_meta=None):
+            return [Passage("p1", "Pleural effusion is fluid in the pleural space.",
+                            "https://pubmed.ncbi.nlm.nih.gov/1/", "", "test", "CC0", 1.0, {"dense": 1})]
+
+    settings = tiny_pipeline.settings
+    saved_retriever, saved_gate = tiny_pipeline.retriever, settings.retrieval.prompt_gate
+    tiny_pipeline.retriever = OnePassage()
+    try:
+        lengths = {}
+        for gate in ("always", "never", "open"):
+            settings.retrieval.prompt_gate = gate
+            events = list(tiny_pipeline.ask(Conversation(image=_image()), "What is shown?", max_new_tokens=2))
+            assert [p.id for p in events[0].passages] == ["p1"]  # always shown to the user
+            assert events[0].in_prompt == events[-1].in_prompt == (gate != "never")
+            lengths[gate] = events[-1].timings["prompt_tokens"]
+        assert lengths["always"] > lengths["never"] and lengths["open"] == lengths["always"]
+        settings.retrieval.prompt_gate = "open"
+        closed = list(tiny_pipeline.ask(Conversation(image=_image()), "Is there an effusion?"))
+        assert closed[-1].in_prompt is False  # closed question: passages kept out under "open"
+    finally:
+        tiny_pipeline.retriever, settings.retrieval.prompt_gate = saved_retriever, saved_gate
