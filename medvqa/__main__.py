@@ -49,6 +49,8 @@ def _ask(args) -> int:
                 print(event.text, end="", flush=True)
             elif isinstance(event, Done):
                 print()
+                if event.passages:
+                    print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):
                     print(f"[{number}] {passage.url}  {passage.text[:100]}")
                 if event.window:

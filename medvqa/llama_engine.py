@@ -61,6 +61,10 @@ class LlamaCppDecoder:
         self.config = config
         self.tokenizer = tokenizer
         threads = n_threads or os.cpu_count() or 1
+        # llama-cpp-python routes llama.cpp's log through this logger; keep only errors.
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
