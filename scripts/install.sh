@@ -22,4 +22,11 @@ else
   python -m pip install --quiet -r requirements.txt
 fi
 python -m pip install --quiet --no-deps -r requirements-nodeps.txt
+# The llama.cpp decoder engine (the offline profile's fastest). Set MEDVQA_NO_LLAMA=1 to skip it;
+# the transformers engine then serves alone.
+if [ "${MEDVQA_NO_LLAMA:-0}" != 1 ] && ! python -c "import llama_cpp" 2>/dev/null; then
+  echo "Installing llama-cpp-python: it compiles llama.cpp, about 15 minutes on 2 cores the first time"
+  python -m pip install --progress-bar off -r requirements-llama.txt | grep -v "^Requirement already satisfied" || {
+    echo "llama-cpp-python did not install; the transformers engine will be used." >&2; }
+fi
 echo "Installed into .venv"
