@@ -146,7 +146,8 @@ class Pipeline:
         else:
             vision = build_vision(settings.vision, device, dtype, settings.offline)
             decoder = load_local_decoder(settings, device, dtype)
-            projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device, dtype)
+            projector = build_projector(settings, vision.hidden_size, decoder.hidden_size,
+                                        vision.num_tokens).to(device, dtype)
         if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
             from .retrieval import Retriever, ensure_default_index
 
@@ -326,7 +327,7 @@ def load_local_decoder(settings: Settings, device: torch.device, dtype: torch.dt
     return Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
 
 
-def build_projector(settings: Settings, vision_size: int, text_size: int) -> Projector:
+def build_projector(settings: Settings, vision_size: int, text_size: int, image_tokens: int = 0) -> Projector:
     config = settings.projector
     projector = Projector(vision_size, config.hidden_size, text_size, config.normalize_input)
     weights = config.weights
@@ -337,6 +338,13 @@ def build_projector(settings: Settings, vision_size: int, text_size: int) -> Pro
             from .projector import read_metadata
 
             meta = read_metadata(weights)
+            trained_tokens = meta.get("image_tokens")
+            if image_tokens and trained_tokens and int(trained_tokens) != image_tokens:
+                from .projector import ProjectorShapeError
+
+                raise ProjectorShapeError(
+                    f"{weights} was trained on {trained_tokens} image tokens but the {settings.profile!r} "
+                    f"profile's encoder gives {image_tokens}; set vision.pooled_tokens to {trained_tokens}.")
             projector.normalize_input = bool(meta.get("normalize_input", config.normalize_input))
             projector.load(weights)
         else:

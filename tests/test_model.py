@@ -264,3 +264,17 @@ def test_prompt_gate_controls_whether_the_decoder_reads_the_passages(tiny_pipeli
         assert closed[-1].in_prompt is False  # closed question: passages kept out under "open"
     finally:
         tiny_pipeline.retriever, settings.retrieval.prompt_gate = saved_retriever, saved_gate
+
+
+def test_projector_trained_on_other_token_count_is_refused(tiny_settings, tmp_path):
+    import copy
+
+    from medvqa.pipeline import build_projector
+
+    path = tmp_path / "projector.safetensors"
+    Projector(32, 24, 48).save(path, metadata={"image_tokens": 49})
+    settings = copy.deepcopy(tiny_settings)
+    settings.projector.weights = str(path)
+    with pytest.raises(ProjectorShapeError, match="trained on 49 image tokens.*gives 16"):
+        build_projector(settings, 32, 48, image_tokens=16)
+    assert build_projector(settings, 32, 48, image_tokens=49) is not None
