@@ -268,11 +268,13 @@ class Pipeline:
         return gate == "always" or (gate == "open" and closed_candidates(question) is None)
 
     def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
-               constrained: bool | None = None, window: str = "") -> tuple[str, list]:
-        """One-shot answer to a single question (evaluation); returns (answer, passages cited)."""
+               constrained: bool | None = None, window: str = "",
+               max_new_tokens: int | None = None) -> tuple[str, list]:
+        """One-shot answer to a single question (evaluation); returns (answer, passages retrieved)."""
         conversation = Conversation(image=image, window=window)
         done = None
-        for event in self.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained):
+        for event in self.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained,
+                              max_new_tokens=max_new_tokens):
             if isinstance(event, Done):
                 done = event
         self.end_conversation(conversation)

@@ -19,6 +19,7 @@ from PIL import Image
 
 from .config import DecoderConfig
 from .prompt import IMAGE_PLACEHOLDER
+from .vision import pad_to_square
 
 
 class RemoteError(RuntimeError):
@@ -27,13 +28,8 @@ class RemoteError(RuntimeError):
 
 def image_data_url(image: np.ndarray) -> str:
     """The image padded to a square (as our own encoder sees it) as a PNG data URL."""
-    height, width = image.shape[:2]
-    side = max(height, width)
-    canvas = np.zeros((side, side, 3), dtype=np.uint8)
-    top, left = (side - height) // 2, (side - width) // 2
-    canvas[top:top + height, left:left + width] = image
     buffer = io.BytesIO()
-    Image.fromarray(canvas).save(buffer, format="PNG")
+    Image.fromarray(pad_to_square(image)).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

@@ -65,12 +65,7 @@ class VisionEncoder(nn.Module):
     def _to_square_tensor(self, image: np.ndarray) -> torch.Tensor:
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"expected an RGB uint8 image (H, W, 3), got {image.dtype} {image.shape}")
-        height, width = image.shape[:2]
-        side = max(height, width)
-        canvas = np.zeros((side, side, 3), dtype=np.uint8)
-        top, left = (side - height) // 2, (side - width) // 2
-        canvas[top:top + height, left:left + width] = image
-        resized = Image.fromarray(canvas).resize((self.image_size, self.image_size), Image.BICUBIC)
+        resized = Image.fromarray(pad_to_square(image)).resize((self.image_size, self.image_size), Image.BICUBIC)
         return torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1).float() / 255.0
 
     @torch.no_grad()
@@ -89,6 +84,16 @@ class VisionEncoder(nn.Module):
         return self.pooled_tokens or self.grid_tokens
 
     grid_tokens: int
+
+
+def pad_to_square(image: np.ndarray) -> np.ndarray:
+    """Centre an (H, W, 3) image on a black square canvas; anatomy is never cropped."""
+    height, width = image.shape[:2]
+    side = max(height, width)
+    canvas = np.zeros((side, side, 3), dtype=np.uint8)
+    top, left = (side - height) // 2, (side - width) // 2
+    canvas[top:top + height, left:left + width] = image
+    return canvas
 
 
 def pool_tokens(features: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -120,14 +120,16 @@ def main() -> None:
             for condition in args.conditions:
                 picture = {"shuffled_image": lambda: image(shuffled[example.image]),
                            "blank_image": lambda: BLANK}.get(condition, lambda: image(example.image))()
-                answer, passages = _answer(pipeline, picture, example.question, condition == "retrieval",
-                                           True, args.max_new_tokens)
+                answer, passages = pipeline.answer(picture, example.question,
+                                                   use_retrieval=condition == "retrieval", constrained=True,
+                                                   max_new_tokens=args.max_new_tokens)
                 row[condition] = answer
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
-                row["retrieval_free"], _ = _answer(pipeline, image(example.image), example.question, True,
-                                                   False, args.max_new_tokens)
+                row["retrieval_free"], _ = pipeline.answer(image(example.image), example.question,
+                                                           use_retrieval=True, constrained=False,
+                                                           max_new_tokens=args.max_new_tokens)
             done[example.qid] = row
             out.write(json.dumps(row) + "\n")
             out.flush()
@@ -156,19 +158,6 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
-
-
-def _answer(pipeline: Pipeline, image: np.ndarray, question: str, use_retrieval: bool, constrained: bool,
-            max_new_tokens: int):
-    from medvqa.pipeline import Conversation, Done
-
-    conversation = Conversation(image=image)
-    for event in pipeline.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained,
-                              max_new_tokens=max_new_tokens):
-        if isinstance(event, Done):
-            pipeline.end_conversation(conversation)
-            return event.answer, event.passages
-    raise RuntimeError("the pipeline ended without an answer")
 
 
 def _majority_baseline(args, examples: list[VQAExample]) -> float:
