@@ -75,9 +75,21 @@ def shared_prefix_length(builder: PromptBuilder) -> int:
     return prompt.image_mask.index(True)
 
 
+def training_answer(answer: str) -> str:
+    """The answer as the model is taught to say it: first letter capitalised.
+
+    The benchmarks mix "yes", "Yes" and "YES" for the same answer (VQA-RAD train: 513 "Yes", 315
+    "yes"); taught as given, the decoder spends its yes/no decision partly on guessing the casing.
+    Evaluation compares case-insensitively, and constrained decoding scores the capitalised options."""
+    answer = answer.strip()
+    if answer.isupper() and len(answer) > 1 and answer.lower() in ("yes", "no"):
+        answer = answer.lower()
+    return answer[:1].upper() + answer[1:]
+
+
 def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Tensor, prefix: int) -> TrainExample:
     prompt_only = builder.build(example.question)
-    full = builder.build(example.question, answer=example.answer)
+    full = builder.build(example.question, answer=training_answer(example.answer))
     # The template renders the answer followed by its end marker; both are supervised, nothing else.
     answer_start = len(prompt_only)
     labels = [-100] * answer_start + full.token_ids[answer_start:]
@@ -95,9 +107,10 @@ def prefix_cache_tensors(decoder: Decoder, builder: PromptBuilder, prefix: int) 
     return [(layer.keys, layer.values) for layer in out.cache.layers]
 
 
-def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
-               n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
-               rng: random.Random | None = None) -> torch.Tensor:
+def forward_hidden(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
+                   n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
+                   rng: random.Random | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder hidden states (B, T, d_l) over image tokens, question and answer, and the labels (B, T)."""
     from transformers import DynamicCache
 
     size = len(batch)
@@ -127,14 +140,77 @@ def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv
     for layer_index, (keys, values) in enumerate(prefix_kv):
         cache.update(keys.expand(size, -1, -1, -1), values.expand(size, -1, -1, -1), layer_index)
     positions = torch.arange(prefix, prefix + length).unsqueeze(0).expand(size, -1)
-    # Run the transformer body, then the vocabulary head only where a label is predicted: the head
-    # (49k x 576 for SmolLM2) over every position would cost a fifth of the step for nothing.
     hidden = decoder.model.model(inputs_embeds=embeds, attention_mask=attention, cache=cache,
                                  position_ids=positions, use_cache=True).last_hidden_state  # (B, T, d_l)
+    return hidden, labels
+
+
+def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
+               n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
+               rng: random.Random | None = None) -> torch.Tensor:
+    hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens,
+                                    blank_features, drop_image, rng)
     targets = labels[:, 1:]  # token t+1 is predicted from position t
     predicting = targets != -100
+    # The vocabulary head only where a label is predicted: the head (49k x 576 for SmolLM2) over
+    # every position would cost a fifth of the step for nothing.
     logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
     return torch.nn.functional.cross_entropy(logits, targets[predicting])
+
+
+@torch.no_grad()
+def yes_no_accuracy(decoder: Decoder, projector, items: list[TrainExample], prefix_kv, prefix: int,
+                    n_tokens: int, choices: tuple[int, int], batch_size: int = 16) -> tuple[float, float]:
+    """(accuracy, share answered with choices[0]) on yes/no items: whether the right one of the two
+    answer tokens scores higher at the first answer position, the constrained decoding the app uses
+    for yes/no questions, batched, for watching training."""
+    right = first_choice = 0
+    for start in range(0, len(items), batch_size):
+        batch = items[start:start + batch_size]
+        hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens)
+        for row in range(len(batch)):
+            first = int((labels[row] != -100).nonzero()[0])  # position of the first answer token
+            logits = decoder.model.lm_head(hidden[row, first - 1])
+            picked = choices[0] if logits[choices[0]] >= logits[choices[1]] else choices[1]
+            right += int(picked == int(labels[row, first]))
+            first_choice += int(picked == choices[0])
+    return right / max(1, len(items)), first_choice / max(1, len(items))
+
+
+class Standardized(torch.nn.Module):
+    """Training wrapper: per-channel standardisation of encoder features in front of the projector.
+
+    Standardising is affine, so `folded()` merges it into the projector's first layer and the saved
+    file is a plain projector (same keys and shapes; nothing changes for inference or export)."""
+
+    def __init__(self, projector, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.projector = projector
+        self.register_buffer("mean", mean.float())
+        self.register_buffer("std", std.float())
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.projector((features - self.mean) / self.std)
+
+    def folded(self):
+        import copy
+
+        plain = copy.deepcopy(self.projector)
+        with torch.no_grad():
+            weight = plain.linear_1.weight / self.std  # (hidden, d_v): W x' = (W / std) x - (W / std) mean
+            plain.linear_1.bias.sub_(weight @ self.mean)
+            plain.linear_1.weight.copy_(weight)
+        return plain
+
+
+def channel_statistics(features: list[torch.Tensor], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and standard deviation over the (pooled) image tokens the projector sees."""
+    stacked = torch.stack(features)
+    if n_tokens and n_tokens != stacked.shape[1]:
+        stacked = pool_tokens(stacked, n_tokens)
+    flat = stacked.reshape(-1, stacked.shape[-1]).float()
+    # A channel that hardly varies (ReLU-dead in training images) must not be blown up at test time.
+    return flat.mean(0), flat.std(0).clamp_min(0.05)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:

@@ -30,6 +30,7 @@ from medvqa.config import PROFILES, load_settings, resolve_path  # noqa: E402
 from medvqa.llama_engine import LlamaCppDecoder  # noqa: E402
 from medvqa.pipeline import Conversation, Done, Pipeline, Token  # noqa: E402
 
+LLAMA_BENCH = Path(__file__).resolve().parent.parent / ".cache" / "llama-bench" / "llama-bench"
 QUESTIONS = ["What abnormality is seen in the lungs?", "Where is the lesion located?",
              "What organ system is shown?", "Describe the findings.", "What imaging modality is this?"]
 
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--llama-bench", default=str(LLAMA_BENCH),
+                        help="llama.cpp's llama-bench binary (scripts/build_llama_bench.sh); with the llama.cpp "
+                             "engine it runs on the same GGUF, prompt and thread count for comparison")
     args = parser.parse_args()
 
     settings = load_settings(args.profile)
@@ -136,6 +140,11 @@ def main() -> None:
         "bandwidth_gbps": round(bandwidth, 1),
         "decode_limit_tok_s": round(bandwidth * 1e9 / bytes_per_token, 1),
     }
+    if isinstance(decoder, LlamaCppDecoder) and Path(args.llama_bench).is_file():
+        reference = run_llama_bench(args.llama_bench, resolve_path(settings.decoder.name_or_path),
+                                    args.prompt_tokens, args.new_tokens, torch.get_num_threads(), args.runs)
+        result["llama_bench_prefill_tok_s"] = reference["prefill"]
+        result["llama_bench_decode_tok_s"] = reference["decode"]
     print(f"profile {args.profile}, engine {args.engine}, {torch.get_num_threads()} threads, "
           f"decoder width {hidden}, {bytes_per_token / 1e6:.0f} MB of weights read per token")
     print(f"chat prompts: {min(prompt_lengths)}-{max(prompt_lengths)} tokens; synthetic prompt "
@@ -144,8 +153,24 @@ def main() -> None:
         print(f"  {key:>20}: {value}")
     print(f"  decode at {100 * result['decode_tok_s'] / result['decode_limit_tok_s']:.0f} % of the bandwidth limit; "
           f"next-turn TTFT = {result['ttft_next_turn_s'] / result['ttft_first_turn_s']:.2f} x first turn")
+    if "llama_bench_decode_tok_s" in result:
+        print(f"  against llama-bench on the same GGUF: decode {100 * result['decode_tok_s'] / result['llama_bench_decode_tok_s']:.0f} %, "
+              f"prefill {100 * result['prefill_tok_s'] / result['llama_bench_prefill_tok_s']:.0f} %")
     if args.json:
         print(json.dumps(result))
+
+
+def run_llama_bench(binary: str, gguf: str, prompt_tokens: int, new_tokens: int, threads: int, runs: int) -> dict:
+    """llama.cpp's own benchmark: prefill of a prompt_tokens batch and decode of new_tokens, tokens/s."""
+    import subprocess
+
+    completed = subprocess.run([binary, "-m", gguf, "-p", str(prompt_tokens), "-n", str(new_tokens),
+                                "-t", str(threads), "-r", str(runs), "-o", "json"],
+                               capture_output=True, text=True, check=True, timeout=900)
+    tests = json.loads(completed.stdout)
+    prefill = next(test["avg_ts"] for test in tests if test["n_prompt"] > 0 and test["n_gen"] == 0)
+    decode = next(test["avg_ts"] for test in tests if test["n_gen"] > 0 and test["n_prompt"] == 0)
+    return {"prefill": round(prefill, 1), "decode": round(decode, 1)}
 
 
 def _time_prefill(decoder, ids: list[int]) -> float:

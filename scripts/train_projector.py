@@ -10,6 +10,7 @@ Writes OUT/projector.safetensors and OUT/card.json; OUT/checkpoint.pt lets an in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -27,9 +28,11 @@ from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.prompt import PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, batch_loss, encoder_key, lr_at, make_example,  # noqa: E402
-                             prefix_cache_tensors, read_image, shared_prefix_length)
-from medvqa.vision import build_vision  # noqa: E402
+from medvqa.answers import normalise  # noqa: E402
+from medvqa.training import (FeatureCache, Standardized, batch_loss, channel_statistics,  # noqa: E402
+                             encoder_key, lr_at, make_example, training_answer, prefix_cache_tensors, read_image,
+                             shared_prefix_length, yes_no_accuracy)
+from medvqa.vision import build_vision, pool_tokens  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +48,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="image tokens (pooled); default: profile's")
     parser.add_argument("--hidden", type=int, default=None, help="projector bottleneck width")
     parser.add_argument("--normalize-input", action="store_true", help="RMS-normalise encoder features")
+    parser.add_argument("--standardize", action="store_true",
+                        help="standardise each encoder channel with training-set statistics (folded into "
+                             "the first layer when saved)")
+    parser.add_argument("--match-text-scale", action="store_true",
+                        help="scale the initial output layer so image tokens start at the norm of text embeddings")
+    parser.add_argument("--val", type=int, default=0,
+                        help="hold out this many closed yes/no training questions to watch accuracy on")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
@@ -95,6 +106,45 @@ def main() -> None:
     blank = cache.features(torch.zeros(64, 64, 3, dtype=torch.uint8).numpy())
     prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
 
+    held_out, held_out_shuffled, choices = [], [], None
+    if args.val:
+        # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
+        # real image and with another held-out question's image shows whether the image is used.
+        yes_no = [i for i, example in enumerate(examples)
+                  if example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")]
+        picked = sorted(random.Random(args.seed + 2).sample(yes_no, min(args.val, len(yes_no))))
+        held_out = [train[i] for i in picked]
+        held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
+                             for k, item in enumerate(held_out)]
+        leaving = set(picked)
+        train = [item for i, item in enumerate(train) if i not in leaving]
+        choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
+                        for word in ("yes", "no"))
+
+    if args.standardize:
+        mean, std = channel_statistics(list(features_by_image.values()), n_tokens)
+        projector = Standardized(projector, mean, std)
+    if args.match_text_scale:
+        with torch.no_grad():
+            text_rms = decoder.model.get_input_embeddings().weight.float().pow(2).mean(-1).sqrt().mean()
+            sample = torch.stack([item.features for item in train[:64]])
+            sample = pool_tokens(sample, n_tokens) if n_tokens != sample.shape[1] else sample
+            image_rms = projector(sample).pow(2).mean(-1).sqrt().mean()
+            inner = projector.projector if args.standardize else projector
+            inner.linear_2.weight.mul_(text_rms / image_rms)
+            inner.linear_2.bias.mul_(text_rms / image_rms)
+        print(f"initial image-token RMS {image_rms:.3f} scaled to the text embeddings' {text_rms:.3f}")
+
+    def watch(step: int) -> None:
+        if not held_out:
+            return
+        projector.eval()
+        real, yes_share = yes_no_accuracy(decoder, projector, held_out, prefix_kv, prefix, n_tokens, choices)
+        shuffled, _ = yes_no_accuracy(decoder, projector, held_out_shuffled, prefix_kv, prefix, n_tokens, choices)
+        projector.train()
+        tqdm.write(json.dumps({"step": step, "held_out": len(held_out), "yes_no_real": round(real, 4),
+                               "yes_no_shuffled": round(shuffled, 4), "answered_yes": round(yes_share, 4)}))
+
     steps_per_epoch = len(train) // args.batch_size
     total_steps = max(1, int(steps_per_epoch * args.epochs))
     if args.max_steps:
@@ -121,6 +171,8 @@ def main() -> None:
     for _ in range(step * args.batch_size):
         drop_rng.random()
 
+    if step == 0:
+        watch(0)
     projector.train()
     started = time.time()
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step")
@@ -138,6 +190,8 @@ def main() -> None:
         optimizer.step()
         losses.append(loss.item())
         step += 1
+        if held_out and (step % args.eval_every == 0 or step == total_steps):
+            watch(step)
         recent = sum(losses[-50:]) / len(losses[-50:])
         bar.set_postfix(loss=f"{recent:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}")
         bar.update(1)
@@ -158,12 +212,14 @@ def main() -> None:
         "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens,
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size, "normalize_input": args.normalize_input},
+        "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
         "drop_image": args.drop_image, "seed": args.seed,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),
     }
-    projector.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
+    final = projector.folded() if args.standardize else projector
+    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))
 

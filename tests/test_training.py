@@ -1,0 +1,66 @@
+"""Projector training: input standardisation folds exactly into the saved projector, and the training
+script runs end to end (tiny random models) to a projector the pipeline loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+from medvqa.projector import Projector, read_metadata
+from medvqa.training import Standardized, channel_statistics
+
+from .conftest import REPO
+
+
+def test_standardisation_folds_into_the_first_layer(tmp_path):
+    torch.manual_seed(0)
+    features = [torch.rand(9, 20) * torch.linspace(0.01, 8, 20) for _ in range(6)]  # channels of very different scale
+    mean, std = channel_statistics(features, 0)
+    assert mean.shape == std.shape == (20,) and bool((std >= 0.05).all())
+    wrapped = Standardized(Projector(20, 12, 16), mean, std)
+    batch = torch.stack(features[:3]) * 1.3
+    folded = wrapped.folded()
+    assert torch.allclose(folded(batch), wrapped(batch), atol=1e-5)
+    folded.save(tmp_path / "p.safetensors")  # a plain projector: same keys and shapes as any other
+    reloaded = Projector(20, 12, 16).load(tmp_path / "p.safetensors")
+    assert torch.allclose(reloaded(batch), wrapped(batch), atol=1e-5)
+
+
+def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_settings, tmp_path):
+    data = tmp_path / "bench"
+    (data / "images").mkdir(parents=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    for index in range(12):
+        bright = index % 2 == 0
+        pixels = rng.integers(150, 255, (40, 40, 3)) if bright else rng.integers(0, 100, (40, 40, 3))
+        Image.fromarray(pixels.astype(np.uint8)).save(data / "images" / f"{index}.png")
+        rows.append({"image": f"{index}.png", "question": "Is the image bright?", "answer": "yes" if bright else "no",
+                     "answer_type": "CLOSED"})
+        rows.append({"image": f"{index}.png", "question": "What is shown?", "answer": "a test pattern",
+                     "answer_type": "OPEN"})
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "weights"
+    env = dict(os.environ, MEDVQA_CACHE=str(tiny_settings.cache_dir))
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "4", "--val", "4",
+         "--eval-every", "2", "--standardize", "--match-text-scale", "--drop-image", "0.2", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    card = json.loads((out / "card.json").read_text())
+    assert card["steps"] == 4 and card["held_out"] == 4 and card["standardize"] is True
+    assert card["examples"] == len(rows) - 4  # the held-out questions are not trained on
+    watched = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith('{"step"')]
+    assert [entry["step"] for entry in watched] == [0, 2, 4]
+    assert all(0.0 <= entry["yes_no_real"] <= 1.0 for entry in watched)
+    assert int(read_metadata(out / "projector.safetensors")["steps"]) == 4
+    projector = Projector(tiny_pipeline.vision.hidden_size, tiny_settings.projector.hidden_size,
+                          tiny_pipeline.decoder.hidden_size)
+    projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
