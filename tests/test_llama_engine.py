@@ -55,6 +55,21 @@ def test_llama_cpp_streams_reuses_the_prefix_and_answers_closed_questions(pipeli
     assert answer in ("Yes", "No")
 
 
+def test_warming_the_next_turn_keeps_the_answer_and_shortens_the_prefill(pipelines):
+    llama, _ = pipelines
+    turns = []
+    for warm in (True, False):
+        conversation = Conversation(image=_image(6))
+        list(llama.ask(conversation, "Describe the image.", constrained=False, max_new_tokens=8, warm=warm,
+                       use_retrieval=False))
+        turns.append(list(llama.ask(conversation, "Which side is abnormal?", constrained=False, max_new_tokens=8,
+                                    warm=warm, use_retrieval=False))[-1])
+        llama.end_conversation(conversation)
+    warmed, cold = turns
+    assert warmed.answer == cold.answer
+    assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"]
+
+
 def test_interleaved_answers_match_answers_alone(pipelines):
     """Two conversations stepped in turn on one context give the answers each gives alone (the web
     app interleaves concurrent answers token by token)."""

@@ -125,6 +125,24 @@ def test_second_turn_reuses_image_and_prefix_with_identical_answer(tiny_pipeline
     assert again.answer == second.answer
 
 
+def test_warming_leaves_only_the_next_question_to_prefill(tiny_pipeline):
+    """After an answer the pipeline caches the start of the next turn; the next answer is unchanged
+    and its prefill covers little more than the question's own tokens."""
+    rest = tiny_pipeline.prompts.build("Which side is it on?").text.split("Question:")[-1]  # question + template tail
+    question_tokens = len(tiny_pipeline.decoder.tokenizer(rest, add_special_tokens=False)["input_ids"])
+    turns = []
+    for warm in (True, False):
+        conversation = Conversation(image=_image(11))
+        list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=6, constrained=False, warm=warm))
+        turns.append(list(tiny_pipeline.ask(conversation, "Which side is it on?", max_new_tokens=6, warm=warm))[-1])
+        tiny_pipeline.end_conversation(conversation)
+    warmed, cold = turns
+    assert warmed.answer == cold.answer
+    assert warmed.timings["prompt_tokens"] == cold.timings["prompt_tokens"]
+    assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"]
+    assert warmed.timings["prompt_tokens"] - warmed.timings["reused_tokens"] <= question_tokens + 1
+
+
 def test_changing_the_window_reencodes(tiny_pipeline):
     calls = tiny_pipeline.encoder_calls
     image = _image(5)
