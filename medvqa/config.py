@@ -54,6 +54,7 @@ class DecoderConfig:
     context_window: int = 2048  # tokens the prompt + answer may use
     load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
     load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
+    cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
     window_in_prompt: bool = True  # tell the decoder which window the scan is shown with
     warm_next_turn: bool = True  # after an answer, prefill the start of the next turn while the user reads

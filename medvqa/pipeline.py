@@ -200,7 +200,7 @@ class Pipeline:
         timings["retrieval_s"] = time.perf_counter() - start
         note = "" if passages else ("No literature passage was relevant enough to cite."
                                     if use_retrieval and self.retriever is not None else "Retrieval is off.")
-        in_prompt = self._passages_in_prompt(question)
+        in_prompt = self.passages_in_prompt(question)
         yield Sources(passages, note, in_prompt)
 
         prompt_passages = passages if in_prompt else []
@@ -300,7 +300,7 @@ class Pipeline:
         if result.cache is not None:
             self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
 
-    def _passages_in_prompt(self, question: str) -> bool:
+    def passages_in_prompt(self, question: str) -> bool:
         """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).
 
         `retrieval.prompt_gate`: "always"; "open" keeps them out of closed (yes/no, either/or) questions;

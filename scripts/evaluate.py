@@ -95,7 +95,9 @@ def main() -> None:
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
     engine = choose_engine(settings)
-    run_name = f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{projector_id}.jsonl"
+    gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
+    run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
+                f"{projector_id}.jsonl")
     results_path = Path(args.run_dir) / run_name
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -117,7 +119,14 @@ def main() -> None:
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}
-            for condition in args.conditions:
+            # no_retrieval first: where the prompt gate keeps passages out of this question's prompt,
+            # the decoder's input with retrieval is the same, and so is its (greedy) answer.
+            for condition in sorted(args.conditions, key=lambda c: c != "no_retrieval"):
+                if (condition == "retrieval" and "no_retrieval" in row
+                        and not pipeline.passages_in_prompt(example.question)):
+                    row[condition] = row["no_retrieval"]
+                    row["passages"] = [p.id for p in pipeline.retrieve(example.question)]
+                    continue
                 picture = {"shuffled_image": lambda: image(shuffled[example.image]),
                            "blank_image": lambda: BLANK}.get(condition, lambda: image(example.image))()
                 answer, passages = pipeline.answer(picture, example.question,

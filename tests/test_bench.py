@@ -1,0 +1,49 @@
+"""bench_latency.py's helpers: the bandwidth probe and reading llama.cpp's own benchmark output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import stat
+
+import pytest
+import torch
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_latency", REPO / "scripts" / "bench_latency.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_bench_output_is_read_per_test_kind(bench, tmp_path):
+    """llama-bench -o json prints one object per test: prefill (n_prompt > 0) and decode (n_gen > 0)."""
+    tests = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 201.25, "n_threads": 2},
+             {"n_prompt": 0, "n_gen": 64, "avg_ts": 88.5, "n_threads": 2}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {tmp_path / 'args'}\n"
+                    f"cat <<'EOF'\n{json.dumps(tests, indent=2)}\nEOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    result = bench.run_llama_bench(str(fake), "model.gguf", 512, 64, 2, 3)
+    assert result == {"prefill": 201.2, "decode": 88.5}
+    assert (tmp_path / "args").read_text().split() == ["-m", "model.gguf", "-p", "512", "-n", "64", "-t", "2",
+                                                       "-r", "3", "-o", "json"]
+
+
+def test_weight_bytes_count_a_tied_head_once(bench):
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight
+    model.get_input_embeddings = lambda: model.embed
+    model.get_output_embeddings = lambda: model.head
+    assert bench.weight_bytes_per_token(model) == 10 * 4 * 4
+
+
+def test_bandwidth_probe_gives_a_plausible_rate(bench):
+    assert 0.1 < bench.measure_bandwidth_gbps(megabytes=64, repeats=3) < 10_000
