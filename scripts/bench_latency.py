@@ -164,15 +164,18 @@ def main() -> None:
 
 
 def run_llama_bench(binary: str, gguf: str, prompt_tokens: int, new_tokens: int, threads: int, runs: int) -> dict:
-    """llama.cpp's own benchmark: prefill of a prompt_tokens batch and decode of new_tokens, tokens/s."""
+    """llama.cpp's own benchmark on the same terms as ours: prefill of a prompt_tokens batch into an
+    empty context, and decode of new_tokens after prompt_tokens of context (-d), in tokens/s."""
     import subprocess
 
     completed = subprocess.run([binary, "-m", gguf, "-p", str(prompt_tokens), "-n", str(new_tokens),
-                                "-t", str(threads), "-r", str(runs), "-o", "json"],
+                                "-d", f"0,{prompt_tokens}", "-t", str(threads), "-r", str(runs), "-o", "json"],
                                capture_output=True, text=True, check=True, timeout=900)
     tests = json.loads(completed.stdout)
-    prefill = next(test["avg_ts"] for test in tests if test["n_prompt"] > 0 and test["n_gen"] == 0)
-    decode = next(test["avg_ts"] for test in tests if test["n_gen"] > 0 and test["n_prompt"] == 0)
+    prefill = next(test["avg_ts"] for test in tests
+                   if test["n_prompt"] > 0 and test["n_gen"] == 0 and test.get("n_depth", 0) == 0)
+    decode = next(test["avg_ts"] for test in tests
+                  if test["n_gen"] > 0 and test["n_prompt"] == 0 and test.get("n_depth", 0) == prompt_tokens)
     return {"prefill": round(prefill, 1), "decode": round(decode, 1)}
 
 

@@ -21,9 +21,12 @@ def bench():
 
 
 def test_llama_bench_output_is_read_per_test_kind(bench, tmp_path):
-    """llama-bench -o json prints one object per test: prefill (n_prompt > 0) and decode (n_gen > 0)."""
-    tests = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 201.25, "n_threads": 2},
-             {"n_prompt": 0, "n_gen": 64, "avg_ts": 88.5, "n_threads": 2}]
+    """llama-bench -o json prints one object per test and depth: prefill into an empty context, decode
+    after as many context tokens as our prompt (our decode figure follows a prompt too)."""
+    tests = [{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 201.25},
+             {"n_prompt": 512, "n_gen": 0, "n_depth": 512, "avg_ts": 150.0},
+             {"n_prompt": 0, "n_gen": 64, "n_depth": 0, "avg_ts": 130.0},
+             {"n_prompt": 0, "n_gen": 64, "n_depth": 512, "avg_ts": 88.5}]
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\n"
                     f"echo \"$@\" > {tmp_path / 'args'}\n"
@@ -31,8 +34,8 @@ def test_llama_bench_output_is_read_per_test_kind(bench, tmp_path):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     result = bench.run_llama_bench(str(fake), "model.gguf", 512, 64, 2, 3)
     assert result == {"prefill": 201.2, "decode": 88.5}
-    assert (tmp_path / "args").read_text().split() == ["-m", "model.gguf", "-p", "512", "-n", "64", "-t", "2",
-                                                       "-r", "3", "-o", "json"]
+    assert (tmp_path / "args").read_text().split() == ["-m", "model.gguf", "-p", "512", "-n", "64", "-d", "0,512",
+                                                       "-t", "2", "-r", "3", "-o", "json"]
 
 
 def test_weight_bytes_count_a_tied_head_once(bench):
