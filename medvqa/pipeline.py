@@ -157,9 +157,10 @@ class Pipeline:
 
     # --- image -------------------------------------------------------------------------------
 
-    def image_tokens(self, image: np.ndarray) -> torch.Tensor:
-        """Projected image tokens (1, N, d_l), cached by pixel content (the window is in the pixels)."""
-        key = hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest() + f":{image.shape}"
+    def image_tokens(self, image: np.ndarray, digest: str | None = None) -> torch.Tensor:
+        """Projected image tokens (1, N, d_l), cached by pixel content (the window is in the pixels);
+        `digest` is image_digest(image) when the caller has it already."""
+        key = digest or image_digest(image)
         tokens = self.image_token_cache.get(key)
         if tokens is None:
             self.encoder_calls += 1
@@ -239,10 +240,10 @@ class Pipeline:
     def _prompt_window(self, conversation: Conversation) -> str:
         return conversation.window if self.settings.decoder.window_in_prompt else ""
 
-    def _keyed_ids(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool]) -> list[int]:
-        """Prompt ids with each image slot replaced by a key of the image's pixels, so a cache built
-        on other pixels never matches."""
-        image_key = -2 - int(hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()[:12], 16)
+    def _keyed_ids(self, digest: str, token_ids: list[int], image_mask: list[bool]) -> list[int]:
+        """Prompt ids with each image slot replaced by a key of the image's pixels (`digest`), so a
+        cache built on other pixels never matches."""
+        image_key = -2 - int(digest[:12], 16)
         return [image_key if masked else token for token, masked in zip(token_ids, image_mask)]
 
     def warm_next_turn(self, conversation: Conversation) -> int:
@@ -262,23 +263,25 @@ class Pipeline:
                and first.token_ids[length] == second.token_ids[length]):
             length += 1
         token_ids, image_mask = first.token_ids[:length], first.image_mask[:length]
-        keyed_ids = self._keyed_ids(conversation.image, token_ids, image_mask)
+        digest = image_digest(conversation.image)
+        keyed_ids = self._keyed_ids(digest, token_ids, image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):
-            image_tokens = self.image_tokens(conversation.image)[0].float().cpu().numpy()
+            image_tokens = self.image_tokens(conversation.image, digest)[0].float().cpu().numpy()
             self.decoder.extend(keyed_ids, token_ids, image_mask, image_tokens)
             return length
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
-        embeds = self._prompt_embeddings(conversation.image, token_ids, image_mask)
+        embeds = self._prompt_embeddings(conversation.image, token_ids, image_mask, digest)
         _, cache = self.decoder.prefill(embeds[:, reused:], cache, reused)
         self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids, cache))
         return length
 
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
-        keyed_ids = self._keyed_ids(conversation.image, prompt.token_ids, prompt.image_mask)
+        digest = image_digest(conversation.image)  # hashed once a turn: cache keys and prefix keys
+        keyed_ids = self._keyed_ids(digest, prompt.token_ids, prompt.image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):
             # llama.cpp takes the image tokens as embeddings and keeps its own prefix cache.
-            image_tokens = self.image_tokens(conversation.image)[0].float().cpu().numpy()  # (N, d_l)
+            image_tokens = self.image_tokens(conversation.image, digest)[0].float().cpu().numpy()  # (N, d_l)
             if candidates:
                 yield self.decoder.choose_answer(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
                                                  candidates)[0]
@@ -286,7 +289,7 @@ class Pipeline:
             yield from self.decoder.stream(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
                                            max_new_tokens=max_new_tokens, seed=self.settings.seed, timings=timings)
             return
-        embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask)
+        embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask, digest)
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             answer, _ = self.decoder.choose_answer(embeds, candidates)
@@ -325,11 +328,12 @@ class Pipeline:
         self.end_conversation(conversation)
         return done.answer, done.passages
 
-    def _prompt_embeddings(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool]) -> torch.Tensor:
+    def _prompt_embeddings(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool],
+                           digest: str | None = None) -> torch.Tensor:
         with torch.inference_mode():
             text = self.decoder.embed(token_ids)  # (1, T, d_l)
             mask = torch.tensor(image_mask, device=text.device).unsqueeze(0)  # (1, T)
-            return merge_image_features(text, mask, self.image_tokens(image).to(text.device))
+            return merge_image_features(text, mask, self.image_tokens(image, digest).to(text.device))
 
     def _reusable_prefix(self, conversation_id: str, keyed_ids: list[int]):
         """The conversation's cache cropped to the prefix it shares with this prompt (at least one
@@ -346,6 +350,11 @@ class Pipeline:
         self.prefix_cache.pop(conversation_id)  # the cache is extended in place from here on
         state.cache.crop(shared - len(state.ids))  # a negative count removes that many tokens
         return state.cache, shared
+
+
+def image_digest(image: np.ndarray) -> str:
+    """Content key of an image's pixels (and shape): the image-token cache and prefix caches use it."""
+    return hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest() + f":{image.shape}"
 
 
 def choose_engine(settings: Settings) -> str:

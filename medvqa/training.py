@@ -130,9 +130,7 @@ def forward_hidden(decoder: Decoder, projector, batch: list[TrainExample], prefi
         attention[row, prefix:prefix + n] = 1
         use_blank = blank_features is not None and rng is not None and rng.random() < drop_image
         features.append(blank_features if use_blank else item.features)
-    stacked = torch.stack(features)  # (B, N_full, d_v)
-    if n_tokens and n_tokens != stacked.shape[1]:
-        stacked = pool_tokens(stacked, n_tokens)  # (B, n_tokens, d_v)
+    stacked = pool_tokens(torch.stack(features), n_tokens)  # (B, n_tokens, d_v)
     image_tokens = projector(stacked)  # (B, n, d_l)
     embeds = decoder.model.get_input_embeddings()(ids).clone()  # (B, T, d_l)
     embeds[image_mask] = image_tokens.reshape(-1, image_tokens.shape[-1]).to(embeds.dtype)
@@ -205,9 +203,7 @@ class Standardized(torch.nn.Module):
 
 def channel_statistics(features: list[torch.Tensor], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and standard deviation over the (pooled) image tokens the projector sees."""
-    stacked = torch.stack(features)
-    if n_tokens and n_tokens != stacked.shape[1]:
-        stacked = pool_tokens(stacked, n_tokens)
+    stacked = pool_tokens(torch.stack(features), n_tokens)
     flat = stacked.reshape(-1, stacked.shape[-1]).float()
     # A channel that hardly varies (ReLU-dead in training images) must not be blown up at test time.
     return flat.mean(0), flat.std(0).clamp_min(0.05)

@@ -72,8 +72,7 @@ class VisionEncoder(nn.Module):
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) -> (B, N, d_v), optionally average-pooled to `pooled_tokens` tokens."""
         features = self.features(pixel_values.to(self.device, self.dtype))  # (B, N, d_v)
-        if self.pooled_tokens:
-            features = pool_tokens(features, self.pooled_tokens)
+        features = pool_tokens(features, self.pooled_tokens)
         return features
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -97,8 +96,10 @@ def pad_to_square(image: np.ndarray) -> np.ndarray:
 
 
 def pool_tokens(features: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Average-pool a square token grid (B, N, d) to (B, n_tokens, d)."""
+    """Average-pool a square token grid (B, N, d) to (B, n_tokens, d); n_tokens 0 or N keeps it."""
     batch, n, dim = features.shape
+    if n_tokens in (0, n):
+        return features
     grid, target = math.isqrt(n), math.isqrt(n_tokens)
     if grid * grid != n or target * target != n_tokens:
         raise ValueError(f"token pooling needs square grids, got {n} -> {n_tokens} tokens")

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from medvqa.answers import closed_correct, open_exact, open_recall  # noqa: E402
+from medvqa.answers import closed_candidates, closed_correct, open_exact, open_recall  # noqa: E402
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
 from medvqa.pipeline import Pipeline, choose_engine  # noqa: E402
@@ -154,6 +154,14 @@ def main() -> None:
     closed_rows = [r for r in rows if r["answer_type"] == "CLOSED" and "retrieval_free" in r]
     if closed_rows:
         summary["closed_accuracy_free_generation"] = score(closed_rows, "retrieval_free")["closed_accuracy"]
+        # Constrained vs free by what the question offers: yes/no, or options it names ("left or right").
+        summary["closed_by_kind"] = {}
+        for kind in ("yes_no", "options"):
+            kind_rows = [r for r in closed_rows if _closed_kind(r["question"]) == kind]
+            if kind_rows:
+                summary["closed_by_kind"][kind] = {
+                    "n": len(kind_rows), "constrained": score(kind_rows, main_condition)["closed_accuracy"],
+                    "free": score(kind_rows, "retrieval_free")["closed_accuracy"]}
     if {"retrieval", "no_retrieval"} <= set(args.conditions):
         summary["retrieval_flips"] = {
             "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
@@ -167,6 +175,11 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
+
+
+def _closed_kind(question: str) -> str:
+    candidates = closed_candidates(question)
+    return "none" if candidates is None else "yes_no" if candidates == ["Yes", "No"] else "options"
 
 
 def _majority_baseline(args, examples: list[VQAExample]) -> float:
@@ -206,6 +219,8 @@ def _print_table(summary: dict) -> None:
     if "closed_accuracy_free_generation" in summary:
         print(f"\nclosed accuracy with free generation instead of constrained decoding: "
               f"{pct(summary['closed_accuracy_free_generation'])} %")
+        for kind, s in summary.get("closed_by_kind", {}).items():
+            print(f"  {kind} questions ({s['n']}): constrained {pct(s['constrained'])} %, free {pct(s['free'])} %")
     if "retrieval_flips" in summary:
         flips = summary["retrieval_flips"]
         print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")

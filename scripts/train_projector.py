@@ -127,8 +127,7 @@ def main() -> None:
     if args.match_text_scale:
         with torch.no_grad():
             text_rms = decoder.model.get_input_embeddings().weight.float().pow(2).mean(-1).sqrt().mean()
-            sample = torch.stack([item.features for item in train[:64]])
-            sample = pool_tokens(sample, n_tokens) if n_tokens != sample.shape[1] else sample
+            sample = pool_tokens(torch.stack([item.features for item in train[:64]]), n_tokens)
             image_rms = projector(sample).pow(2).mean(-1).sqrt().mean()
             inner = projector.projector if args.standardize else projector
             inner.linear_2.weight.mul_(text_rms / image_rms)

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from medvqa.projector import Projector, read_metadata
-from medvqa.training import Standardized, channel_statistics
+from medvqa.training import Standardized, channel_statistics, training_answer
 
 from .conftest import REPO
 
@@ -30,6 +30,11 @@ def test_standardisation_folds_into_the_first_layer(tmp_path):
     folded.save(tmp_path / "p.safetensors")  # a plain projector: same keys and shapes as any other
     reloaded = Projector(20, 12, 16).load(tmp_path / "p.safetensors")
     assert torch.allclose(reloaded(batch), wrapped(batch), atol=1e-5)
+
+
+def test_answers_are_taught_in_one_spelling():
+    assert [training_answer(a) for a in ("yes", "Yes", "YES", " no ")] == ["Yes", "Yes", "Yes", "No"]
+    assert [training_answer(a) for a in ("CT", "left lung", "T2")] == ["CT", "Left lung", "T2"]
 
 
 def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_settings, tmp_path):
