@@ -12,6 +12,9 @@ from __future__ import annotations
 import re
 import string
 
+# Names the way closed questions are read and scored, for result files that depend on it: 2 reads
+# comma lists and multi-word options and scores whole answers (with their end-of-turn marker).
+CLOSED_DECODING = "options2"
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation.replace('-', ''))}]")
 _YES_NO = {"yes", "no"}
 _YES_NO_STARTERS = {"is", "are", "was", "were", "does", "do", "did", "can", "could", "has", "have", "had",
@@ -52,25 +55,94 @@ def open_exact(answer: str, reference: str) -> bool:
     return normalise(answer) == normalise(reference)
 
 
+# Words that end an option named after "or" ("left or right side of the brain", "T2 weighted MRI
+# image", "larger than ..."): the option is what comes before them.
+_OPTION_STOPS = {"side", "sides", "of", "in", "on", "at", "to", "than", "relative", "used", "scan", "image",
+                 "images", "view", "as", "seen", "shown", "located", "for", "with"}
+_ARTICLES = {"a", "an", "the", "just"}
+# "Is there X or Y?" and "Can/Does ... X or Y?" are usually yes/no questions about both (VQA-RAD train:
+# "Are there epidural or subdural bleeds?" -> No), so their candidates keep Yes and No beside the options.
+_EXISTENTIAL = {("is", "there"), ("are", "there"), ("is", "are")}
+_MODAL_STARTERS = {"can", "could", "does", "do", "did", "has", "have"}
+
+
 def closed_candidates(question: str) -> list[str] | None:
     """The answers a closed question allows, read from the question itself.
 
-    "Is the lesion on the left or right?" -> ["left", "right"]; "Is there an effusion?" -> ["yes", "no"];
-    None when the question names no options and is not a yes/no question.
+    "Is the lesion on the left or right?" -> ["Left", "Right"]; "Which is bigger, small bowel or
+    kidney?" -> ["Small bowel", "Kidney"]; "MRI, CT or X-Ray?" -> ["MRI", "CT", "X-Ray"];
+    "Is there an effusion?" -> ["Yes", "No"]; None when the question names no options and is not a
+    yes/no question.
     """
-    original = _PUNCTUATION.sub(" ", question).split()  # same split as normalise(), casing kept
-    tokens = [word.lower() for word in original]
-    if "or" in tokens[1:-1]:
-        at = len(tokens) - 1 - tokens[::-1].index("or")  # the last "or"
-        after = [i for i in range(at + 1, len(tokens)) if tokens[i] not in ("a", "an", "the")]
-        before = at - 1
-        # One word each side covers the benchmark's option questions ("left or right", "CT or MRI",
-        # "liver or spleen", "T1 or T2"); a phrase on one side would need a parser.
-        if after and tokens[before] not in ("a", "an", "the") and tokens[before] != tokens[after[0]]:
-            return [_answer_case(original[before]), _answer_case(original[after[0]])]
-    if tokens and tokens[0] in _YES_NO_STARTERS:
+    words_: list[str] = []  # normalise()'s words with their casing, and the commas as words
+    for index, piece in enumerate(question.split(",")):
+        words_ += ([","] if index else []) + _PUNCTUATION.sub(" ", piece).split()
+    lowered = [word.lower() for word in words_]
+    options = _options(words_, lowered) if "or" in lowered[1:-1] else []
+    if options:
+        if tuple(lowered[:2]) in _EXISTENTIAL or lowered[0] in _MODAL_STARTERS:
+            options += ["Yes", "No"]
+        return options
+    if lowered and lowered[0] in _YES_NO_STARTERS:
         return ["Yes", "No"]
     return None
+
+
+def _options(words_: list[str], lowered: list[str]) -> list[str]:
+    """The options around the last "or": comma-separated lists ("A, B or C", "..., A, B, or C") and
+    multi-word options ("transverse plane or coronal plane", "T1 weighted or T2 weighted")."""
+    at = len(lowered) - 1 - lowered[::-1].index("or")
+    segments: list[list[int]] = [[]]  # word indices split at commas, up to the "or"
+    for index in range(at):
+        if lowered[index] == ",":
+            segments.append([])
+        else:
+            segments[-1].append(index)
+    after = []
+    for index in range(at + 1, len(lowered)):
+        if lowered[index] == "," or (after and lowered[index] in _OPTION_STOPS):
+            break
+        if not after and lowered[index] in _ARTICLES:
+            continue
+        after.append(index)
+    if not after:
+        return []
+    left = segments[-1]
+    if len(segments) > 1 and left:
+        # "..., A, B or C": the options are the comma-separated segments after the first one.
+        items = [segment for segment in segments[1:] if segment]
+    elif len(segments) > 2 and not left:
+        # "... A, B, or C" (serial comma): the first option is the end of the first segment, as
+        # long as the option after it.
+        middle = [segment for segment in segments[1:-1] if segment]
+        items = [segments[0][-len(middle[0]):]] + middle
+    else:
+        # No comma: one word each side, or as many as the two sides share at their ends ("transverse
+        # plane or coronal plane", "T1 weighted or T2 weighted MRI").
+        span = 1
+        for candidate in (2, 3):
+            if (candidate <= min(len(after), len(left))
+                    and [lowered[i] for i in left[-(candidate - 1):]] == [lowered[i] for i in after[1:candidate]]):
+                span = candidate
+        items = [left[-span:]]
+        after = after[:span]
+        if span > 1:  # the benchmarks answer both ways: "Coronal Plane", but "T2" for "T1 weighted or T2 weighted"
+            items += [after, [left[-span]]]
+            after = [after[0]]
+    items = [[i for i in item if lowered[i] not in _ARTICLES] or item for item in items] + [after]
+    options = []
+    for item in items:
+        option = _answer_case(" ".join(words_[i] for i in item))
+        if option and option.lower() not in {o.lower() for o in options}:
+            options.append(option)
+    return options if len(options) > 1 else []
+
+
+def surface_forms(option: str) -> list[str]:
+    """The spellings an option is scored in: as named ("Small bowel") and title-cased ("Small Bowel",
+    SLAKE's spelling of multi-word answers); constrained decoding keeps an option's best."""
+    title = " ".join(word[:1].upper() + word[1:] for word in option.split())
+    return [option] if title == option else [option, title]
 
 
 def _answer_case(word: str) -> str:

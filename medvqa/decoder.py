@@ -205,14 +205,15 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def choose_answer(self, inputs_embeds: torch.Tensor, candidates: list[str]) -> tuple[str, list[float]]:
         """Constrained decoding over a closed set: the candidate with the highest mean token
-        log-probability after the prompt (length-normalised so longer options are not penalised)."""
+        log-probability after the prompt, its end-of-turn marker included (so "Right" is not scored
+        as the start of "Right kidney"; length-normalised so longer options are not penalised)."""
         if not candidates:
             raise ValueError("choose_answer needs at least one candidate")
         logits, cache = self.prefill(inputs_embeds)
         prompt_length = inputs_embeds.shape[1]
         scores = []
         for candidate in candidates:
-            ids = self.tokenizer(candidate, add_special_tokens=False)["input_ids"]
+            ids = answer_ids(self.tokenizer, candidate)
             branch = _copy_cache(cache)
             log_probs = [torch.log_softmax(logits[0], -1)[ids[0]].item()]
             if len(ids) > 1:
@@ -225,6 +226,13 @@ class Decoder(nn.Module):
             scores.append(sum(log_probs) / len(log_probs))
         best = max(range(len(candidates)), key=scores.__getitem__)
         return candidates[best], scores
+
+
+def answer_ids(tokenizer, answer: str) -> list[int]:
+    """Token ids of a complete answer as the decoder is taught to end it: its words, then the end of
+    turn (the tokenizer's end-of-sequence token, which the chat templates close a turn with)."""
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 def column_major_weights(model: nn.Module) -> int:

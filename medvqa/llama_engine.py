@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from .config import DecoderConfig
+from .decoder import answer_ids
 
 
 def llama_cpp_available() -> bool:
@@ -230,7 +231,8 @@ class LlamaCppDecoder:
 
     def choose_answer(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
                       image_tokens: np.ndarray, candidates: list[str]) -> tuple[str, list[float]]:
-        """The candidate with the highest mean token log-probability after the prompt."""
+        """The candidate with the highest mean token log-probability after the prompt (see
+        Decoder.choose_answer)."""
         slot = self._take_slot(keyed_ids)
         try:
             with self._lock:
@@ -238,7 +240,7 @@ class LlamaCppDecoder:
                 prompt_length = len(slot.cached)
                 scores = []
                 for candidate in candidates:
-                    ids = self.tokenizer(candidate, add_special_tokens=False)["input_ids"]
+                    ids = answer_ids(self.tokenizer, candidate)
                     log_probs = [_log_softmax(logits)[ids[0]]]
                     for index, token in enumerate(ids[:-1]):
                         self._feed_tokens(slot, [token], True)

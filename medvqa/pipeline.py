@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .answers import closed_candidates
+from .answers import closed_candidates, surface_forms
 from .config import Settings, resolve_path
 from .decoder import Decoder, GenerationResult, hub_offline_env, resolve_decoder_folder
 from .device import pick_device, pick_dtype
@@ -279,22 +279,17 @@ class Pipeline:
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
         digest = image_digest(conversation.image)  # hashed once a turn: cache keys and prefix keys
         keyed_ids = self._keyed_ids(digest, prompt.token_ids, prompt.image_mask)
+        if candidates:
+            # Closed question: the best of the options it names (structured output), no free text.
+            yield self.choose_closed(conversation.image, prompt, candidates, digest)
+            return
         if isinstance(self.decoder, LlamaCppDecoder):
             # llama.cpp takes the image tokens as embeddings and keeps its own prefix cache.
             image_tokens = self.image_tokens(conversation.image, digest)[0].float().cpu().numpy()  # (N, d_l)
-            if candidates:
-                yield self.decoder.choose_answer(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
-                                                 candidates)[0]
-                return
             yield from self.decoder.stream(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens,
                                            max_new_tokens=max_new_tokens, seed=self.settings.seed, timings=timings)
             return
         embeds = self._prompt_embeddings(conversation.image, prompt.token_ids, prompt.image_mask, digest)
-        if candidates:
-            # Closed question: the best of the options it names (structured output), no free text.
-            answer, _ = self.decoder.choose_answer(embeds, candidates)
-            yield answer
-            return
         cache, reused = self._reusable_prefix(conversation.id, keyed_ids)
         timings["reused_tokens"] = reused
         result = GenerationResult()
@@ -302,6 +297,34 @@ class Pipeline:
                                        max_new_tokens=max_new_tokens, result=result, seed=self.settings.seed)
         if result.cache is not None:
             self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
+
+    def option_scores(self, image: np.ndarray, prompt, forms: list[str], digest: str | None = None) -> list[float]:
+        """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""
+        digest = digest or image_digest(image)
+        if isinstance(self.decoder, LlamaCppDecoder):
+            keyed_ids = self._keyed_ids(digest, prompt.token_ids, prompt.image_mask)
+            image_tokens = self.image_tokens(image, digest)[0].float().cpu().numpy()  # (N, d_l)
+            return self.decoder.choose_answer(keyed_ids, prompt.token_ids, prompt.image_mask, image_tokens, forms)[1]
+        embeds = self._prompt_embeddings(image, prompt.token_ids, prompt.image_mask, digest)
+        return self.decoder.choose_answer(embeds, forms)[1]
+
+    def choose_closed(self, image: np.ndarray, prompt, options: list[str], digest: str | None = None,
+                      contrast: float | None = None, yes_bias: float | None = None) -> str:
+        """The option with the best score, each option scored in its best spelling (surface_forms);
+        "Yes" gets `decoder.yes_bias` added (see scripts/tune_closed.py).
+
+        With `decoder.closed_contrast` = c > 0 an option's score is s(image) - c * s(blank image): the
+        answer the decoder would give without looking (its prior for the question, as taught by the
+        blank images of training's image drop) counts against itself, which makes the image decide
+        more (the idea of visual contrastive decoding, Leng et al. 2024, applied to option scores)."""
+        contrast = self.settings.decoder.closed_contrast if contrast is None else contrast
+        yes_bias = self.settings.decoder.yes_bias if yes_bias is None else yes_bias
+        forms = [form for option in options for form in surface_forms(option)]
+        scores = np.asarray(self.option_scores(image, prompt, forms, digest))
+        if contrast:
+            scores = scores - contrast * np.asarray(self.option_scores(BLANK_IMAGE, prompt, forms, BLANK_DIGEST))
+        scores = scores + yes_bias * np.asarray([form == "Yes" for form in forms])
+        return forms[int(np.argmax(scores))]
 
     def passages_in_prompt(self, question: str) -> bool:
         """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).
@@ -355,6 +378,12 @@ class Pipeline:
 def image_digest(image: np.ndarray) -> str:
     """Content key of an image's pixels (and shape): the image-token cache and prefix caches use it."""
     return hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest() + f":{image.shape}"
+
+
+# The image training shows when it drops the image (scripts/train_projector.py --drop-image).
+BLANK_IMAGE = np.zeros((64, 64, 3), dtype=np.uint8)
+BLANK_IMAGE.setflags(write=False)
+BLANK_DIGEST = image_digest(BLANK_IMAGE)
 
 
 def choose_engine(settings: Settings) -> str:

@@ -87,6 +87,16 @@ def training_answer(answer: str) -> str:
     return answer[:1].upper() + answer[1:]
 
 
+def held_out_yes_no(examples: list[VQAExample], count: int, seed: int) -> list[int]:
+    """Indices of a fixed sample of closed yes/no questions that training leaves out (--val), so that
+    choices made after training (e.g. decoder.closed_contrast) are tuned on questions it never saw."""
+    from .answers import normalise
+
+    yes_no = [i for i, example in enumerate(examples)
+              if example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")]
+    return sorted(random.Random(seed + 2).sample(yes_no, min(count, len(yes_no))))
+
+
 def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Tensor, prefix: int) -> TrainExample:
     prompt_only = builder.build(example.question)
     full = builder.build(example.question, answer=training_answer(example.answer))

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from medvqa.answers import closed_candidates, closed_correct, open_exact, open_recall  # noqa: E402
+from medvqa.answers import CLOSED_DECODING, closed_candidates, closed_correct, open_exact, open_recall  # noqa: E402
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
 from medvqa.pipeline import Pipeline, choose_engine  # noqa: E402
@@ -96,8 +96,10 @@ def main() -> None:
     projector_id = _file_digest(settings.projector.weights)
     engine = choose_engine(settings)
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
+    # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the contrast).
+    closed = f"{CLOSED_DECODING}c{settings.decoder.closed_contrast:g}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
-                f"{projector_id}.jsonl")
+                f"{closed}-{projector_id}.jsonl")
     results_path = Path(args.run_dir) / run_name
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -169,6 +171,8 @@ def main() -> None:
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
+    summary["closed_decoding"] = {"options": CLOSED_DECODING, "contrast": settings.decoder.closed_contrast,
+                                  "yes_bias": settings.decoder.yes_bias}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:

@@ -28,8 +28,7 @@ from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.prompt import PromptBuilder  # noqa: E402
-from medvqa.answers import normalise  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, batch_loss, channel_statistics,  # noqa: E402
+from medvqa.training import (FeatureCache, Standardized, batch_loss, channel_statistics, held_out_yes_no,  # noqa: E402
                              encoder_key, lr_at, make_example, training_answer, prefix_cache_tensors, read_image,
                              shared_prefix_length, yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
@@ -110,9 +109,7 @@ def main() -> None:
     if args.val:
         # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
         # real image and with another held-out question's image shows whether the image is used.
-        yes_no = [i for i, example in enumerate(examples)
-                  if example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")]
-        picked = sorted(random.Random(args.seed + 2).sample(yes_no, min(args.val, len(yes_no))))
+        picked = held_out_yes_no(examples, args.val, args.seed)
         held_out = [train[i] for i in picked]
         held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
                              for k, item in enumerate(held_out)]

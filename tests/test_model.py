@@ -160,6 +160,42 @@ def test_constrained_answer_is_one_of_the_candidates(tiny_pipeline):
     assert answer in ("Left", "Right")
 
 
+def test_option_scores_are_the_mean_log_probability_of_the_whole_answer(tiny_pipeline):
+    """An option is scored with its end-of-turn marker: "Right" is a complete answer, not the start
+    of "Right kidney"."""
+    from medvqa.decoder import answer_ids
+
+    image = _image(4)
+    prompt = tiny_pipeline.prompts.build("Which is bigger, liver or right kidney?")
+    forms = ["Liver", "Right kidney"]
+    scores = tiny_pipeline.option_scores(image, prompt, forms)
+    decoder = tiny_pipeline.decoder
+    for form, score in zip(forms, scores):
+        ids = answer_ids(decoder.tokenizer, form)
+        assert ids[-1] == decoder.tokenizer.eos_token_id
+        embeds = tiny_pipeline._prompt_embeddings(image, prompt.token_ids + ids, prompt.image_mask + [False] * len(ids))
+        with torch.no_grad():
+            log_probs = torch.log_softmax(decoder.forward(embeds).logits[0].float(), -1)
+        start = len(prompt.token_ids) - 1  # the logits that predict the answer's first token
+        expected = np.mean([log_probs[start + i, token].item() for i, token in enumerate(ids)])
+        assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_contrast_subtracts_the_blank_image_scores(tiny_pipeline):
+    from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE
+
+    image = _image(6)
+    prompt = tiny_pipeline.prompts.build("Is the lesion on the left or right side of the brain?")
+    options = ["Left", "Right"]
+    real = np.asarray(tiny_pipeline.option_scores(image, prompt, options))
+    blank = np.asarray(tiny_pipeline.option_scores(BLANK_IMAGE, prompt, options, BLANK_DIGEST))
+    for contrast in (0.0, 0.5, 1.0, 3.0):
+        expected = options[int(np.argmax(real - contrast * blank))]
+        assert tiny_pipeline.choose_closed(image, prompt, options, contrast=contrast) == expected
+    # A contrast large enough answers against the blank image's preference.
+    assert tiny_pipeline.choose_closed(image, prompt, options, contrast=1e6) == options[int(np.argmin(blank))]
+
+
 def test_context_budget_drops_old_turns_not_the_question(tiny_pipeline):
     from medvqa.prompt import Turn
 

@@ -1,0 +1,109 @@
+"""Choose `decoder.yes_bias` and `decoder.closed_contrast` on questions training left out, never on
+a test split.
+
+    python scripts/tune_closed.py --profile offline --data vqa-rad:train slake:train --val 300
+
+Takes the same held-out closed yes/no questions as `train_projector.py --val 300` (same data, same
+seed) and scores Yes and No with the real image, with another held-out question's image (the
+shuffled condition, paired as training pairs them) and with the blank image. For each pair in the
+grid, an option's score is s(image) - contrast * s(blank) (+ yes_bias for Yes); it prints accuracy
+with the real and the shuffled image. The scores are saved (--scores) so the grid can be re-read
+without the model. The last line is JSON: the grid and the pair with the best real-image accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from medvqa.answers import normalise, surface_forms  # noqa: E402
+from medvqa.config import PROFILES, load_settings  # noqa: E402
+
+FORMS = [form for option in ("Yes", "No") for form in surface_forms(option)]
+
+
+def score_held_out(args) -> dict[str, np.ndarray]:
+    from tqdm import tqdm
+
+    from medvqa.datasets import load_examples
+    from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, choose_engine
+    from medvqa.training import held_out_yes_no, read_image
+
+    settings = load_settings(args.profile)
+    if args.engine:
+        settings.decoder.engine = args.engine
+    examples = []
+    for spec in args.data:
+        parts = spec.split(":")
+        examples += load_examples(parts[0], parts[1] if len(parts) == 3 else None, parts[-1])
+    held_out = [examples[i] for i in held_out_yes_no(examples, args.val, args.seed)]
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    images = [read_image(example.image) for example in held_out]
+    real, shuffled, blank = [], [], []
+    for k, example in enumerate(tqdm(held_out, desc="held-out questions", unit="q")):
+        prompt = pipeline.prompts.build(example.question)
+        other = images[(k + len(held_out) // 2) % len(held_out)]
+        real.append(pipeline.option_scores(images[k], prompt, FORMS))
+        shuffled.append(pipeline.option_scores(other, prompt, FORMS))
+        blank.append(pipeline.option_scores(BLANK_IMAGE, prompt, FORMS, BLANK_DIGEST))
+    return {"real": np.asarray(real), "shuffled": np.asarray(shuffled), "blank": np.asarray(blank),
+            "answers": np.asarray([normalise(example.answer) for example in held_out]),
+            "engine": np.asarray(choose_engine(settings))}
+
+
+def accuracy(scores: np.ndarray, answers: np.ndarray, yes_bias: float) -> float:
+    scores = scores + yes_bias * np.asarray([form == "Yes" for form in FORMS])
+    picks = np.asarray([FORMS[i].lower() for i in scores.argmax(1)])
+    return float(np.mean(picks == answers))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
+    parser.add_argument("--engine", default="", help="decoder engine (default: the profile's choice)")
+    parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
+                        help="the training data, as given to train_projector.py")
+    parser.add_argument("--val", type=int, default=300, help="held-out questions, as given to train_projector.py")
+    parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
+    parser.add_argument("--contrast", type=float, nargs="+", default=[0.0, 0.2, 0.5, 1.0])
+    parser.add_argument("--yes-bias", type=float, nargs="+",
+                        default=[0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5])
+    parser.add_argument("--scores", default="runs/tune-closed-scores.npz",
+                        help="where the scores are saved; read from there with --reuse")
+    parser.add_argument("--reuse", action="store_true", help="read the saved scores instead of running the model")
+    args = parser.parse_args()
+
+    if args.reuse:
+        saved = dict(np.load(args.scores))
+    else:
+        saved = score_held_out(args)
+        Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.scores, **saved)
+    answers = saved["answers"]
+    print(f"{len(answers)} held-out yes/no questions ({100 * np.mean(answers == 'yes'):.1f} % yes), "
+          f"engine {saved['engine']}; accuracy real image (shuffled image), %")
+    print("| contrast \\ yes_bias | " + " | ".join(f"{b:g}" for b in args.yes_bias) + " |")
+    print("|---" * (len(args.yes_bias) + 1) + "|")
+    grid = []
+    for contrast in args.contrast:
+        cells = []
+        for bias in args.yes_bias:
+            row = {"contrast": contrast, "yes_bias": bias,
+                   "real": accuracy(saved["real"] - contrast * saved["blank"], answers, bias),
+                   "shuffled": accuracy(saved["shuffled"] - contrast * saved["blank"], answers, bias)}
+            grid.append(row)
+            cells.append(f"{100 * row['real']:.1f} ({100 * row['shuffled']:.1f})")
+        print(f"| {contrast:g} | " + " | ".join(cells) + " |")
+    best = max(grid, key=lambda row: (row["real"], -row["contrast"], -row["yes_bias"]))
+    print(json.dumps({"n": len(answers), "engine": str(saved["engine"]), "grid": grid,
+                      "best": {"contrast": best["contrast"], "yes_bias": best["yes_bias"]}}))
+
+
+if __name__ == "__main__":
+    main()
