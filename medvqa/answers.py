@@ -13,8 +13,9 @@ import re
 import string
 
 # Names the way closed questions are read and scored, for result files that depend on it: 2 reads
-# comma lists and multi-word options and scores whole answers (with their end-of-turn marker).
-CLOSED_DECODING = "options2"
+# comma lists and multi-word options and scores whole answers (with their end-of-turn marker); 3
+# stopped offering Yes and No beside the options of "Is there X or Y?".
+CLOSED_DECODING = "options3"
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation.replace('-', ''))}]")
 _YES_NO = {"yes", "no"}
 _YES_NO_STARTERS = {"is", "are", "was", "were", "does", "do", "did", "can", "could", "has", "have", "had",
@@ -60,10 +61,6 @@ def open_exact(answer: str, reference: str) -> bool:
 _OPTION_STOPS = {"side", "sides", "of", "in", "on", "at", "to", "than", "relative", "used", "scan", "image",
                  "images", "view", "as", "seen", "shown", "located", "for", "with"}
 _ARTICLES = {"a", "an", "the", "just"}
-# "Is there X or Y?" and "Can/Does ... X or Y?" are usually yes/no questions about both (VQA-RAD train:
-# "Are there epidural or subdural bleeds?" -> No), so their candidates keep Yes and No beside the options.
-_EXISTENTIAL = {("is", "there"), ("are", "there"), ("is", "are")}
-_MODAL_STARTERS = {"can", "could", "does", "do", "did", "has", "have"}
 
 
 def closed_candidates(question: str) -> list[str] | None:
@@ -78,10 +75,11 @@ def closed_candidates(question: str) -> list[str] | None:
     for index, piece in enumerate(question.split(",")):
         words_ += ([","] if index else []) + _PUNCTUATION.sub(" ", piece).split()
     lowered = [word.lower() for word in words_]
+    # A question naming options is answered with one of them. Some are yes/no questions about both
+    # ("Are there epidural or subdural bleeds?" -> No); in VQA-RAD + SLAKE train that is 8 of the 104
+    # option questions that start like a yes/no question, too few to offer Yes and No beside the options.
     options = _options(words_, lowered) if "or" in lowered[1:-1] else []
     if options:
-        if tuple(lowered[:2]) in _EXISTENTIAL or lowered[0] in _MODAL_STARTERS:
-            options += ["Yes", "No"]
         return options
     if lowered and lowered[0] in _YES_NO_STARTERS:
         return ["Yes", "No"]

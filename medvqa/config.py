@@ -55,6 +55,7 @@ class DecoderConfig:
     load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
     load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
     cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
+    cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (fast_decode.py)
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
     # Closed-question scores subtract this share of each option's score with a blank image (the
     # decoder's prior for the question), so the image decides more of the answer; 0 = off.

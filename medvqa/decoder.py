@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .config import DecoderConfig, resolve_path
+from .fast_decode import LlamaDecodeStep
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ class GenerationResult:
     """What a finished generation leaves behind: the token ids and the cache covering them."""
 
     token_ids: list[int] = field(default_factory=list)
-    cache: object | None = None  # transformers Cache covering prompt + generated tokens (last excluded)
+    cache: object | None = None  # transformers Cache covering the prompt and the generated tokens fed back
+    # (all of them after an end-of-turn token, all but the last at the length limit)
     cache_length: int = 0  # tokens the cache covers
     stopped_by: str = ""  # "eos", "length" or "stop"
 
@@ -94,6 +96,8 @@ class Decoder(nn.Module):
         self.model.requires_grad_(False)
         self.model.eval()
         self.eos_ids = _eos_ids(model, tokenizer)
+        # Prefill and decoded tokens on CPU skip the transformers forward's overhead (fast_decode.py).
+        self.fast_step = LlamaDecodeStep.build(model) if config.cpu_fast_decode else None
 
     def train(self, mode: bool = True) -> "Decoder":
         return super().train(False)  # frozen: always in eval mode
@@ -161,6 +165,8 @@ class Decoder(nn.Module):
         from transformers import DynamicCache
 
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        if self.fast_step is not None and inputs_embeds.shape[0] == 1:
+            return self.fast_step(inputs_embeds, cache, cache_length), cache
         length = inputs_embeds.shape[1]
         positions = torch.arange(cache_length, cache_length + length, device=self.device).unsqueeze(0)
         out = self.model(inputs_embeds=inputs_embeds, cache=cache, position_ids=positions,

@@ -3,7 +3,8 @@
     pipeline = Pipeline.load(load_settings("offline"))
     conversation = pipeline.new_conversation(scan)
     for event in pipeline.ask(conversation, "Is there a pleural effusion?"):
-        ...  # Sources(passages) first, then Token(text) pieces, then Done(answer, ...)
+        ...  # Sources(passages), Token(text) pieces, Done(answer, ...): Sources comes first when the
+             # decoder reads the passages, after the last Token when they are only shown beside it
 
 The pipeline holds no per-user state of its own beyond bounded caches keyed by content (image
 tokens) or by a random conversation id (the decoder's key/value cache): everything about a user's
@@ -197,12 +198,22 @@ class Pipeline:
             raise ValueError("Please type a question about the image.")
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        passages = self.retrieve(question, safe_meta) if use_retrieval else []
-        timings["retrieval_s"] = time.perf_counter() - start
-        note = "" if passages else ("No literature passage was relevant enough to cite."
-                                    if use_retrieval and self.retriever is not None else "Retrieval is off.")
         in_prompt = self.passages_in_prompt(question)
-        yield Sources(passages, note, in_prompt)
+
+        def sources() -> Sources:
+            nonlocal passages
+            began = time.perf_counter()
+            passages = self.retrieve(question, safe_meta) if use_retrieval else []
+            timings["retrieval_s"] = time.perf_counter() - began
+            note = "" if passages else ("No literature passage was relevant enough to cite."
+                                        if use_retrieval and self.retriever is not None else "Retrieval is off.")
+            return Sources(passages, note, in_prompt)
+
+        # Passages the decoder reads are found first; passages shown only as related literature are
+        # found after the answer, so they do not delay its first word.
+        passages: list = []
+        if in_prompt:
+            yield sources()
 
         prompt_passages = passages if in_prompt else []
         if constrained is None:
@@ -228,6 +239,8 @@ class Pipeline:
             yield Token(piece)
         answer = "".join(answer_parts).strip()
         timings.setdefault("ttft_s", time.perf_counter() - start)
+        if not in_prompt:
+            yield sources()
         timings["total_s"] = time.perf_counter() - start
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt)
@@ -296,7 +309,10 @@ class Pipeline:
         yield from self.decoder.stream(embeds[:, reused:], cache=cache, cache_length=reused,
                                        max_new_tokens=max_new_tokens, result=result, seed=self.settings.seed)
         if result.cache is not None:
-            self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:-1], result.cache))
+            # The cache holds every generated token that was fed back: all of them when the answer
+            # ended at its end-of-turn token, all but the last when it hit the length limit.
+            fed = result.cache_length - len(keyed_ids)
+            self.prefix_cache.put(conversation.id, _PrefixState(keyed_ids + result.token_ids[:fed], result.cache))
 
     def option_scores(self, image: np.ndarray, prompt, forms: list[str], digest: str | None = None) -> list[float]:
         """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""

@@ -376,8 +376,9 @@ class _Handlers:
                     answer.note = answer.note or event.note
                     answer.in_prompt = event.in_prompt
                     answer.started = True
-                    reply["content"] = _status("Answering…") if not (answer.passages and answer.in_prompt) else \
-                        _status(f"Answering with {len(answer.passages)} literature passage(s)…")
+                    if not answer.text:  # passages shown only beside the answer arrive after it
+                        reply["content"] = _status("Answering…") if not (answer.passages and answer.in_prompt) \
+                            else _status(f"Answering with {len(answer.passages)} literature passage(s)…")
                 elif isinstance(event, Token):
                     answer.text += event.text
                     reply["content"] = _render_answer(answer, final=False)

@@ -57,8 +57,9 @@ def test_candidates_stop_where_the_option_ends():
         "T1 weighted", "T2 weighted", "T1", "T2"]
 
 
-def test_yes_no_stays_possible_when_there_is_asked_about_either_of_two():
-    assert closed_candidates("Are there epidural or subdural bleeds?") == ["Epidural", "Subdural", "Yes", "No"]
+def test_a_question_naming_options_is_answered_with_one_of_them():
+    assert closed_candidates("Is there hypoinflation or hyperinflation of the lung") == [
+        "Hypoinflation", "Hyperinflation"]
     assert closed_candidates("Is this patient male or female?") == ["Male", "Female"]
 
 

@@ -125,6 +125,27 @@ def test_second_turn_reuses_image_and_prefix_with_identical_answer(tiny_pipeline
     assert again.answer == second.answer
 
 
+def test_the_kept_prefix_matches_its_cache_whether_the_answer_ended_or_was_cut(tiny_pipeline):
+    """An answer that ends at its end-of-turn token has fed every token back, one cut at the length
+    limit all but the last: the ids kept for prefix reuse must cover exactly what the cache holds."""
+    decoder = tiny_pipeline.decoder
+    image = _image(21)
+    first = list(tiny_pipeline.ask(Conversation(image=image), "What is shown?", max_new_tokens=4,
+                                   constrained=False, warm=False))[-1]
+    third_token = decoder.tokenizer(first.answer, add_special_tokens=False)["input_ids"]
+    saved = decoder.eos_ids
+    for stop in ({third_token[2]} | saved if len(third_token) > 2 else saved, saved):  # ends early / cut
+        decoder.eos_ids = stop
+        try:
+            conversation = Conversation(image=image)
+            list(tiny_pipeline.ask(conversation, "What is shown?", max_new_tokens=4, constrained=False, warm=False))
+        finally:
+            decoder.eos_ids = saved
+        state = tiny_pipeline.prefix_cache.get(conversation.id)
+        assert len(state.ids) == state.cache.get_seq_length()
+        tiny_pipeline.end_conversation(conversation)
+
+
 def test_warming_leaves_only_the_next_question_to_prefill(tiny_pipeline):
     """After an answer the pipeline caches the start of the next turn; the next answer is unchanged
     and its prefill covers little more than the question's own tokens."""
@@ -194,6 +215,51 @@ def test_contrast_subtracts_the_blank_image_scores(tiny_pipeline):
         assert tiny_pipeline.choose_closed(image, prompt, options, contrast=contrast) == expected
     # A contrast large enough answers against the blank image's preference.
     assert tiny_pipeline.choose_closed(image, prompt, options, contrast=1e6) == options[int(np.argmin(blank))]
+
+
+def _transformers_prefill(decoder, embeds, cache, length):
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache(config=decoder.model.config)
+    positions = torch.arange(length, length + embeds.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        out = decoder.model(inputs_embeds=embeds, cache=cache, position_ids=positions, use_cache=True)
+    return out.logits[:, -1].float(), out.cache
+
+
+def test_fast_decode_step_matches_the_transformers_forward(tiny_pipeline):
+    """The fused step (fast_decode.py) gives the full forward's logits and cache, for a prompt, for
+    several tokens after a cache (the next question) and for one token at a time."""
+    decoder = tiny_pipeline.decoder
+    assert decoder.fast_step is not None  # the tiny Llama on CPU takes the fast path
+    prompt = decoder.embed([5, 9, 14, 3, 22, 7])
+    logits, cache = decoder.prefill(prompt)
+    expected, reference = _transformers_prefill(decoder, prompt, None, 0)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-4)
+    length = prompt.shape[1]
+    for tokens in ([11, 4, 30], [2], [8], [17, 6]):
+        fast = decoder.fast_step(decoder.embed(tokens), cache, length)
+        slow, reference = _transformers_prefill(decoder, decoder.embed(tokens), reference, length)
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
+        length += len(tokens)
+    for ours, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-4)
+
+
+def test_fast_decode_keeps_the_answers_and_the_weights(tiny_pipeline):
+    decoder = tiny_pipeline.decoder
+    attention = decoder.model.model.layers[0].self_attn
+    fused = decoder.fast_step.layers[0].qkv
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()  # views
+    prompt = decoder.embed(list(range(3, 15)))
+    fast = "".join(decoder.stream(prompt, max_new_tokens=12, ignore_eos=True))
+    step, decoder.fast_step = decoder.fast_step, None
+    try:
+        slow = "".join(decoder.stream(prompt, max_new_tokens=12, ignore_eos=True))
+    finally:
+        decoder.fast_step = step
+    assert fast == slow
 
 
 def test_context_budget_drops_old_turns_not_the_question(tiny_pipeline):
@@ -309,8 +375,14 @@ def test_prompt_gate_controls_whether_the_decoder_reads_the_passages(tiny_pipeli
         for gate in ("always", "never", "open"):
             settings.retrieval.prompt_gate = gate
             events = list(tiny_pipeline.ask(Conversation(image=_image()), "What is shown?", max_new_tokens=2))
-            assert [p.id for p in events[0].passages] == ["p1"]  # always shown to the user
-            assert events[0].in_prompt == events[-1].in_prompt == (gate != "never")
+            found = [i for i, event in enumerate(events) if isinstance(event, Sources)]
+            assert len(found) == 1
+            sources = events[found[0]]
+            assert [p.id for p in sources.passages] == ["p1"]  # always shown to the user
+            assert sources.in_prompt == events[-1].in_prompt == (gate != "never")
+            # Passages the decoder reads come before the answer; passages only shown beside it come
+            # after the answer's last token, so finding them does not delay the first word.
+            assert found[0] == (0 if gate != "never" else len(events) - 2)
             lengths[gate] = events[-1].timings["prompt_tokens"]
         assert lengths["always"] > lengths["never"] and lengths["open"] == lengths["always"]
         settings.retrieval.prompt_gate = "open"
