@@ -4,8 +4,9 @@ the memory bandwidth allows.
 
     python scripts/bench_latency.py [--profile offline] [--engine transformers] [--runs 5] [--json]
 
-Every figure is a median over --runs runs. The decode limit is measured read bandwidth divided by the
-bytes of decoder weights read per generated token (every weight once, in the dtype as loaded).
+Every figure is a median over --runs runs. The decode limit is measured read bandwidth (sampled
+beside each decode run) divided by the bytes of decoder weights read per generated token (every
+weight once, in the dtype as loaded).
 """
 
 from __future__ import annotations
@@ -114,7 +115,11 @@ def main() -> None:
 
     hidden = decoder.hidden_size
     prefill, decode = [], []
+    bandwidths = []
     for _ in range(args.runs):
+        # The bandwidth is sampled beside each decode run: on a shared virtual machine it drifts
+        # (medians of separate probes ranged from 31 to 59 GB/s between runs here).
+        bandwidths.append(measure_bandwidth_gbps(repeats=3))
         ids = rng.integers(100, 1000, args.prompt_tokens).tolist()  # fresh ids: nothing to reuse
         prefill.append(args.prompt_tokens / _time_prefill(decoder, ids))
         start, first_at = time.perf_counter(), None
@@ -123,7 +128,16 @@ def main() -> None:
                 first_at = time.perf_counter()
         decode.append(args.new_tokens / (time.perf_counter() - first_at))
 
-    bandwidth = measure_bandwidth_gbps()
+    bandwidth = statistics.median(bandwidths)
+
+    # What a next turn costs: its question and the template's end of turn, prefilled after a cached
+    # conversation. Few tokens at a time run far below the long-prompt prefill rate.
+    context = rng.integers(100, 1000, 100).tolist()
+    prefill_ms_by_tokens = {}
+    for count in (1, 4, 8, 13, 32, 96):
+        times = [_time_prefill_after(decoder, context, rng.integers(100, 1000, count).tolist())
+                 for _ in range(args.runs)]
+        prefill_ms_by_tokens[count] = round(1000 * statistics.median(times), 1)
     if isinstance(decoder, LlamaCppDecoder):
         # llama.cpp reads the quantised tensors as stored: the GGUF's size is what a token reads.
         bytes_per_token = Path(resolve_path(settings.decoder.name_or_path)).stat().st_size
@@ -142,6 +156,7 @@ def main() -> None:
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
         "bandwidth_gbps": round(bandwidth, 1),
         "decode_limit_tok_s": round(bandwidth * 1e9 / bytes_per_token, 1),
+        "prefill_ms_after_100_by_tokens": prefill_ms_by_tokens,
     }
     if isinstance(decoder, LlamaCppDecoder) and Path(args.llama_bench).is_file():
         reference = run_llama_bench(args.llama_bench, resolve_path(settings.decoder.name_or_path),
@@ -193,6 +208,28 @@ def _time_prefill(decoder, ids: list[int]) -> float:
     embeds = decoder.embed(ids)
     start = time.perf_counter()
     decoder.prefill(embeds)
+    return time.perf_counter() - start
+
+
+def _time_prefill_after(decoder, context: list[int], ids: list[int]) -> float:
+    """Seconds to prefill `ids` after `context`, which is cached beforehand (not timed)."""
+    if isinstance(decoder, LlamaCppDecoder):
+        slot = decoder._take_slot(context)
+        try:
+            with decoder._lock:
+                decoder._truncate(slot, 0)
+                decoder._prefill(slot, context, context, [False] * len(context),
+                                 np.zeros((0, decoder.hidden_size), np.float32))
+                full = context + ids
+                start = time.perf_counter()
+                decoder._prefill(slot, full, full, [False] * len(full), np.zeros((0, decoder.hidden_size), np.float32))
+                return time.perf_counter() - start
+        finally:
+            decoder._give_back(slot)
+    _, cache = decoder.prefill(decoder.embed(context))
+    embeds = decoder.embed(ids)
+    start = time.perf_counter()
+    decoder.prefill(embeds, cache, len(context))
     return time.perf_counter() - start
 
 
