@@ -34,6 +34,15 @@ def load_examples(dataset: str, data_dir: str | Path | None, split: str) -> list
     raise ValueError(f"Unknown dataset {dataset!r}; use vqa-rad, slake or jsonl.")
 
 
+def load_specs(specs: list[str]) -> list[VQAExample]:
+    """Examples of several DATASET:SPLIT (vqa-rad, slake) or jsonl:DIR:SPLIT specs, in order."""
+    examples = []
+    for spec in specs:
+        parts = spec.split(":")
+        examples += load_examples(parts[0], parts[1] if len(parts) == 3 else None, parts[-1])
+    return examples
+
+
 def _vqa_rad(folder: Path, split: str) -> list[VQAExample]:
     files = {"train": "trainset.json", "test": "testset.json"}
     if split not in files:

@@ -216,17 +216,18 @@ class Decoder(nn.Module):
         if not candidates:
             raise ValueError("choose_answer needs at least one candidate")
         logits, cache = self.prefill(inputs_embeds)
+        first = torch.log_softmax(logits[0], -1)
         prompt_length = inputs_embeds.shape[1]
         scores = []
         for candidate in candidates:
             ids = answer_ids(self.tokenizer, candidate)
-            branch = _copy_cache(cache)
-            log_probs = [torch.log_softmax(logits[0], -1)[ids[0]].item()]
+            log_probs = [first[ids[0]].item()]
             if len(ids) > 1:
                 positions = torch.arange(prompt_length, prompt_length + len(ids) - 1,
                                          device=self.device).unsqueeze(0)
-                out = self.model(inputs_embeds=self.embed(ids[:-1]), cache=branch,
+                out = self.model(inputs_embeds=self.embed(ids[:-1]), cache=cache,
                                  position_ids=positions, use_cache=True)
+                cache.crop(1 - len(ids))  # back to the prompt for the next candidate
                 step_log_probs = torch.log_softmax(out.logits[0].float(), -1)  # (len-1, V)
                 log_probs += [step_log_probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
             scores.append(sum(log_probs) / len(log_probs))
@@ -267,12 +268,6 @@ def column_major_weights(model: nn.Module) -> int:
             seen.add(tensor.data_ptr())
             tensor.data = tensor.data.clone()
     return changed
-
-
-def _copy_cache(cache):
-    import copy
-
-    return copy.deepcopy(cache)
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

@@ -1,10 +1,11 @@
-"""One-token decode steps for Llama-architecture decoders on CPU, without the per-token overhead of
-the full transformers forward.
+"""Decode steps and prefills for Llama-architecture decoders on CPU, without the overhead of the
+full transformers forward.
 
 A decoded token of SmolLM2-135M reads 0.54 GB of fp32 weights: about 17 ms at this machine's
-measured ~32 GB/s. The transformers forward took about 58 ms a token (scripts/bench_latency.py):
-most of it is Python and dispatch around ~40 small operations a layer (module calls, mask and
-position bookkeeping, seven separate products). Here a layer is ten tensor calls on the same weights:
+measured ~32 GB/s. The transformers forward took about 52 ms a token (scripts/bench_latency.py with
+MEDVQA_DECODER__CPU_FAST_DECODE=false): Python and dispatch around many small operations a layer
+(module calls, mask and position bookkeeping, seven separate products), a cache rewritten by
+torch.cat every token, and one-core matrix-vector products. Here a layer is a few tensor calls:
 one product for q, k and v together, one for gate and up together, rotary positions, the same
 DynamicCache (appended in place, see _append), scaled-dot-product attention.
 
@@ -122,10 +123,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """x (T, in) @ weight (in, out); for one row, with the rows of `weight` split into `parts` blocks
     multiplied side by side (one batched product) and summed.
 
-    A single-row product of a few-MB matrix runs on one core here: 16 GB/s over SmolLM2's layer
-    weights, where two cores read 26 GB/s when each takes half the rows (a contiguous block, so the
-    split is a view). Measured on this 2-core AVX2 CPU over 30 layers' worth of matrices: 26.1 ms
-    with torch.mm, 16.4 ms split in two; the 49152 x 576 head 4.3 -> 3.3 ms."""
+    MKL runs a single-row product of a few-MB matrix on one core. Two cores, each taking half the
+    rows (a contiguous block, so the split is a view), read faster: scripts/bench_gemv.py on this
+    2-core AVX2 CPU, over 30 layers of SmolLM2's matrices, 26.8 ms (15.8 GB/s) with torch.mm and
+    18.6 ms (22.9 GB/s) split in two; the 576 x 49152 head 4.5 -> 3.3 ms."""
     rows = weight.shape[0]
     if parts < 2 or x.shape[0] != 1 or rows % parts or not weight.is_contiguous():
         return torch.mm(x, weight)

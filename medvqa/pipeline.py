@@ -291,11 +291,11 @@ class Pipeline:
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
         digest = image_digest(conversation.image)  # hashed once a turn: cache keys and prefix keys
-        keyed_ids = self._keyed_ids(digest, prompt.token_ids, prompt.image_mask)
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             yield self.choose_closed(conversation.image, prompt, candidates, digest)
             return
+        keyed_ids = self._keyed_ids(digest, prompt.token_ids, prompt.image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):
             # llama.cpp takes the image tokens as embeddings and keeps its own prefix cache.
             image_tokens = self.image_tokens(conversation.image, digest)[0].float().cpu().numpy()  # (N, d_l)

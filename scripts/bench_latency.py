@@ -135,7 +135,7 @@ def main() -> None:
     context = rng.integers(100, 1000, 100).tolist()
     prefill_ms_by_tokens = {}
     for count in (1, 4, 8, 13, 32, 96):
-        times = [_time_prefill_after(decoder, context, rng.integers(100, 1000, count).tolist())
+        times = [_time_prefill(decoder, rng.integers(100, 1000, count).tolist(), context)
                  for _ in range(args.runs)]
         prefill_ms_by_tokens[count] = round(1000 * statistics.median(times), 1)
     if isinstance(decoder, LlamaCppDecoder):
@@ -194,39 +194,24 @@ def run_llama_bench(binary: str, gguf: str, prompt_tokens: int, new_tokens: int,
     return {"prefill": round(prefill, 1), "decode": round(decode, 1)}
 
 
-def _time_prefill(decoder, ids: list[int]) -> float:
+def _time_prefill(decoder, ids: list[int], context: list[int] = ()) -> float:
+    """Seconds to prefill `ids`, after `context` (cached beforehand, not timed) when given."""
+    context = list(context)
+    empty = np.zeros((0, decoder.hidden_size), np.float32)
     if isinstance(decoder, LlamaCppDecoder):
-        slot = decoder._take_slot(ids)
+        slot = decoder._take_slot(context + ids)
         try:
             with decoder._lock:
                 decoder._truncate(slot, 0)
-                start = time.perf_counter()
-                decoder._prefill(slot, ids, ids, [False] * len(ids), np.zeros((0, decoder.hidden_size), np.float32))
-                return time.perf_counter() - start
-        finally:
-            decoder._give_back(slot)
-    embeds = decoder.embed(ids)
-    start = time.perf_counter()
-    decoder.prefill(embeds)
-    return time.perf_counter() - start
-
-
-def _time_prefill_after(decoder, context: list[int], ids: list[int]) -> float:
-    """Seconds to prefill `ids` after `context`, which is cached beforehand (not timed)."""
-    if isinstance(decoder, LlamaCppDecoder):
-        slot = decoder._take_slot(context)
-        try:
-            with decoder._lock:
-                decoder._truncate(slot, 0)
-                decoder._prefill(slot, context, context, [False] * len(context),
-                                 np.zeros((0, decoder.hidden_size), np.float32))
+                if context:
+                    decoder._prefill(slot, context, context, [False] * len(context), empty)
                 full = context + ids
                 start = time.perf_counter()
-                decoder._prefill(slot, full, full, [False] * len(full), np.zeros((0, decoder.hidden_size), np.float32))
+                decoder._prefill(slot, full, full, [False] * len(full), empty)
                 return time.perf_counter() - start
         finally:
             decoder._give_back(slot)
-    _, cache = decoder.prefill(decoder.embed(context))
+    cache = decoder.prefill(decoder.embed(context))[1] if context else None
     embeds = decoder.embed(ids)
     start = time.perf_counter()
     decoder.prefill(embeds, cache, len(context))

@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from medvqa.answers import CLOSED_DECODING, closed_candidates, closed_correct, open_exact, open_recall  # noqa: E402
+from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,  # noqa: E402
+                            open_recall)
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
 from medvqa.pipeline import Pipeline, choose_engine  # noqa: E402
@@ -161,9 +162,16 @@ def main() -> None:
         for kind in ("yes_no", "options"):
             kind_rows = [r for r in closed_rows if _closed_kind(r["question"]) == kind]
             if kind_rows:
-                summary["closed_by_kind"][kind] = {
+                entry = summary["closed_by_kind"][kind] = {
                     "n": len(kind_rows), "constrained": score(kind_rows, main_condition)["closed_accuracy"],
                     "free": score(kind_rows, "retrieval_free")["closed_accuracy"]}
+                if all("shuffled_image" in r for r in kind_rows):
+                    entry["shuffled_image"] = score(kind_rows, "shuffled_image")["closed_accuracy"]
+                if kind == "yes_no":  # does the model lean to one answer?
+                    entry["answered_yes"] = float(np.mean([first_yes_no(r[main_condition]) == "yes"
+                                                           for r in kind_rows]))
+                    entry["reference_yes"] = float(np.mean([first_yes_no(r["reference"]) == "yes"
+                                                            for r in kind_rows]))
     if {"retrieval", "no_retrieval"} <= set(args.conditions):
         summary["retrieval_flips"] = {
             "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
@@ -224,7 +232,10 @@ def _print_table(summary: dict) -> None:
         print(f"\nclosed accuracy with free generation instead of constrained decoding: "
               f"{pct(summary['closed_accuracy_free_generation'])} %")
         for kind, s in summary.get("closed_by_kind", {}).items():
-            print(f"  {kind} questions ({s['n']}): constrained {pct(s['constrained'])} %, free {pct(s['free'])} %")
+            print(f"  {kind} questions ({s['n']}): constrained {pct(s['constrained'])} %, free {pct(s['free'])} %"
+                  + (f", shuffled image {pct(s['shuffled_image'])} %" if "shuffled_image" in s else "")
+                  + (f"; answered Yes {pct(s['answered_yes'])} % (references {pct(s['reference_yes'])} %)"
+                     if "answered_yes" in s else ""))
     if "retrieval_flips" in summary:
         flips = summary["retrieval_flips"]
         print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")

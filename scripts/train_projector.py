@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from medvqa.config import PROFILES, load_settings  # noqa: E402
-from medvqa.datasets import load_examples  # noqa: E402
+from medvqa.datasets import load_specs  # noqa: E402
 from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
@@ -88,12 +88,7 @@ def main() -> None:
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
     builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
 
-    examples = []
-    for spec in args.data:
-        parts = spec.split(":")
-        dataset, split = parts[0], parts[-1]
-        data_dir = parts[1] if len(parts) == 3 else None
-        examples += load_examples(dataset, data_dir, split)
+    examples = load_specs(args.data)
     cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
     prefix = shared_prefix_length(builder)
     features_by_image: dict[Path, torch.Tensor] = {}

@@ -31,17 +31,14 @@ FORMS = [form for option in ("Yes", "No") for form in surface_forms(option)]
 def score_held_out(args) -> dict[str, np.ndarray]:
     from tqdm import tqdm
 
-    from medvqa.datasets import load_examples
+    from medvqa.datasets import load_specs
     from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, choose_engine
     from medvqa.training import held_out_yes_no, read_image
 
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
-    examples = []
-    for spec in args.data:
-        parts = spec.split(":")
-        examples += load_examples(parts[0], parts[1] if len(parts) == 3 else None, parts[-1])
+    examples = load_specs(args.data)
     held_out = [examples[i] for i in held_out_yes_no(examples, args.val, args.seed)]
     pipeline = Pipeline.load(settings, with_retrieval=False)
     images = [read_image(example.image) for example in held_out]
@@ -57,10 +54,13 @@ def score_held_out(args) -> dict[str, np.ndarray]:
             "engine": np.asarray(choose_engine(settings))}
 
 
-def accuracy(scores: np.ndarray, answers: np.ndarray, yes_bias: float) -> float:
+def picks(scores: np.ndarray, yes_bias: float) -> np.ndarray:
     scores = scores + yes_bias * np.asarray([form == "Yes" for form in FORMS])
-    picks = np.asarray([FORMS[i].lower() for i in scores.argmax(1)])
-    return float(np.mean(picks == answers))
+    return np.asarray([FORMS[i].lower() for i in scores.argmax(1)])
+
+
+def accuracy(scores: np.ndarray, answers: np.ndarray, yes_bias: float) -> float:
+    return float(np.mean(picks(scores, yes_bias) == answers))
 
 
 def main() -> None:
@@ -100,6 +100,8 @@ def main() -> None:
             grid.append(row)
             cells.append(f"{100 * row['real']:.1f} ({100 * row['shuffled']:.1f})")
         print(f"| {contrast:g} | " + " | ".join(cells) + " |")
+    print("answered Yes with the real image, no contrast: " + ", ".join(
+        f"{100 * np.mean(picks(saved['real'], bias) == 'yes'):.1f} % at {bias:g}" for bias in args.yes_bias))
     best = max(grid, key=lambda row: (row["real"], -row["contrast"], -row["yes_bias"]))
     print(json.dumps({"n": len(answers), "engine": str(saved["engine"]), "grid": grid,
                       "best": {"contrast": best["contrast"], "yes_bias": best["yes_bias"]}}))

@@ -129,21 +129,23 @@ def test_the_kept_prefix_matches_its_cache_whether_the_answer_ended_or_was_cut(t
     """An answer that ends at its end-of-turn token has fed every token back, one cut at the length
     limit all but the last: the ids kept for prefix reuse must cover exactly what the cache holds."""
     decoder = tiny_pipeline.decoder
-    image = _image(21)
-    first = list(tiny_pipeline.ask(Conversation(image=image), "What is shown?", max_new_tokens=4,
-                                   constrained=False, warm=False))[-1]
-    third_token = decoder.tokenizer(first.answer, add_special_tokens=False)["input_ids"]
-    saved = decoder.eos_ids
-    for stop in ({third_token[2]} | saved if len(third_token) > 2 else saved, saved):  # ends early / cut
-        decoder.eos_ids = stop
+
+    def answer(eos_ids):
+        saved, decoder.eos_ids = decoder.eos_ids, eos_ids
         try:
-            conversation = Conversation(image=image)
-            list(tiny_pipeline.ask(conversation, "What is shown?", max_new_tokens=4, constrained=False, warm=False))
+            conversation = Conversation(image=_image(21))
+            done = list(tiny_pipeline.ask(conversation, "What is shown?", max_new_tokens=4, constrained=False,
+                                          warm=False))[-1]
         finally:
             decoder.eos_ids = saved
         state = tiny_pipeline.prefix_cache.get(conversation.id)
-        assert len(state.ids) == state.cache.get_seq_length()
         tiny_pipeline.end_conversation(conversation)
+        return state, state.ids[done.timings["prompt_tokens"]:]
+
+    cut, generated = answer(set())  # no end token: cut at 4 tokens, the last one never fed back
+    assert len(generated) == 3 and len(cut.ids) == cut.cache.get_seq_length()
+    ended, kept = answer({generated[1]})  # ends where the second token was: the first was fed back
+    assert kept == generated[:1] and len(ended.ids) == ended.cache.get_seq_length()
 
 
 def test_warming_leaves_only_the_next_question_to_prefill(tiny_pipeline):
