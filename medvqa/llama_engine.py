@@ -35,6 +35,61 @@ def llama_cpp_available() -> bool:
     return True
 
 
+def gguf_file_type(path: str | os.PathLike) -> str:
+    """The GGUF's declared weight type name (e.g. "Q4_1"), read from its header."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return ""
+    value = int(field.parts[field.data[0]][0])
+    return LlamaFileType(value).name.removeprefix("MOSTLY_")
+
+
+def requantized_gguf(source: str, weight_type: str, cache_dir: str | os.PathLike) -> str:
+    """Path of `source` with its weights re-encoded as `weight_type`, made once under
+    `cache_dir/decoders/` (a few seconds for a small decoder); `source` itself when `weight_type` is ""
+    or already its type. Re-encoding dequantises each tensor and quantises it again: from 4 to 8 bits
+    it changes next-token probabilities very little (scripts/bench_gguf_types.py measures it)."""
+    import hashlib
+    from pathlib import Path
+
+    if not weight_type:
+        return source
+    import llama_cpp
+
+    weight_type = weight_type.upper()
+    source_path = Path(source)
+    if gguf_file_type(source_path) == weight_type:
+        return source
+    if not hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{weight_type}"):
+        raise ValueError(f"decoder.llama_cpp_type {weight_type!r} is not a llama.cpp weight type; use e.g. Q8_0, "
+                         f"IQ4_NL or Q4_0, or \"\" for the file as given.")
+    stat = source_path.stat()
+    key = hashlib.sha256(f"{source_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    target = Path(cache_dir) / "decoders" / f"{source_path.stem}.{weight_type}-{key}.gguf"
+    if target.is_file():
+        return str(target)
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)  # llama.cpp logs a line per tensor
+    print(f"Re-encoding {source_path.name} as {weight_type} for llama.cpp (once; later starts reuse it)...",
+          flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{weight_type}")
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    status = llama_cpp.llama_model_quantize(str(source_path).encode(), str(partial).encode(), ctypes.byref(params))
+    if status != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not re-encode {source_path} as {weight_type} (status {status}); "
+                           f"set decoder.llama_cpp_type to \"\" to run the file as given.")
+    partial.replace(target)
+    return str(target)
+
+
 @dataclass
 class _Slot:
     """One llama.cpp sequence: the keys/values of one conversation's latest prompt and answer."""
@@ -59,6 +114,7 @@ class LlamaCppDecoder:
         import llama_cpp
 
         self._lib = llama_cpp
+        self.gguf_path = gguf_path  # the file llama.cpp runs (after any re-encoding)
         self.config = config
         self.tokenizer = tokenizer
         threads = n_threads or os.cpu_count() or 1

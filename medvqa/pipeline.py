@@ -31,7 +31,7 @@ from .decoder import Decoder, GenerationResult, hub_offline_env, resolve_decoder
 from .device import pick_device, pick_dtype
 from .projector import Projector
 from .prompt import PromptBuilder, Turn, merge_image_features
-from .llama_engine import LlamaCppDecoder, llama_cpp_available
+from .llama_engine import LlamaCppDecoder, llama_cpp_available, requantized_gguf
 from .remote import RemoteDecoder
 from .vision import VisionEncoder, build_vision
 
@@ -422,6 +422,7 @@ def load_local_decoder(settings: Settings, device: torch.device, dtype: torch.dt
                              f"with llama.cpp's convert_hf_to_gguf.py first.")
         # The tokenizer of the converted folder: the same ids the projector was trained with.
         tokenizer = AutoTokenizer.from_pretrained(resolve_decoder_folder(settings.decoder, settings.cache_dir))
+        gguf = requantized_gguf(gguf, settings.decoder.llama_cpp_type, settings.cache_dir)
         return LlamaCppDecoder(gguf, tokenizer, settings.decoder, n_threads=torch.get_num_threads())
     if engine != "transformers":
         raise ValueError(f"Unknown decoder engine {engine!r}; use auto, transformers, llama.cpp or openai.")

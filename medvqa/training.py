@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from .answers import normalise
 from .datasets import VQAExample
 from .decoder import Decoder
 from .prompt import PromptBuilder
@@ -67,6 +68,7 @@ class TrainExample:
     token_ids: list[int]  # after the shared prefix
     image_mask: list[bool]
     labels: list[int]  # -100 except the answer tokens
+    yes_no: int = -1  # 0 for a "yes" reference, 1 for "no", -1 otherwise (see batch_loss's closed_weight)
 
 
 def shared_prefix_length(builder: PromptBuilder) -> int:
@@ -90,8 +92,6 @@ def training_answer(answer: str) -> str:
 def held_out_yes_no(examples: list[VQAExample], count: int, seed: int) -> list[int]:
     """Indices of a fixed sample of closed yes/no questions that training leaves out (--val), so that
     choices made after training (e.g. decoder.closed_contrast) are tuned on questions it never saw."""
-    from .answers import normalise
-
     yes_no = [i for i, example in enumerate(examples)
               if example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")]
     return sorted(random.Random(seed + 2).sample(yes_no, min(count, len(yes_no))))
@@ -107,7 +107,9 @@ def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Te
     end_tokens = builder.tokenizer("\n", add_special_tokens=False)["input_ids"]
     if end_tokens and full.token_ids[-len(end_tokens):] == end_tokens:
         labels[-len(end_tokens):] = [-100] * len(end_tokens)
-    return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:])
+    reference = normalise(example.answer)
+    yes_no = ("yes", "no").index(reference) if example.answer_type == "CLOSED" and reference in ("yes", "no") else -1
+    return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:], yes_no)
 
 
 def prefix_cache_tensors(decoder: Decoder, builder: PromptBuilder, prefix: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,7 +157,12 @@ def forward_hidden(decoder: Decoder, projector, batch: list[TrainExample], prefi
 
 def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
                n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
-               rng: random.Random | None = None) -> torch.Tensor:
+               rng: random.Random | None = None, closed_weight: float = 0.0,
+               choices: tuple[int, int] | None = None) -> torch.Tensor:
+    """Cross-entropy on the answer tokens; with `closed_weight`, plus that weight times a two-way
+    cross-entropy between the "Yes" and "No" tokens (`choices`) at the first answer position of
+    every yes/no question in the batch: the decision constrained decoding makes at inference, which
+    the token loss dilutes among the many tokens of open answers."""
     hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens,
                                     blank_features, drop_image, rng)
     targets = labels[:, 1:]  # token t+1 is predicted from position t
@@ -163,7 +170,16 @@ def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv
     # The vocabulary head only where a label is predicted: the head (49k x 576 for SmolLM2) over
     # every position would cost a fifth of the step for nothing.
     logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
-    return torch.nn.functional.cross_entropy(logits, targets[predicting])
+    loss = torch.nn.functional.cross_entropy(logits, targets[predicting])
+    rows = [row for row, item in enumerate(batch) if item.yes_no >= 0]
+    if closed_weight and choices is not None and rows:
+        first = predicting.float().argmax(1)  # position predicting each row's first answer token
+        picked = hidden[rows, first[rows]]  # (n_yes_no, d_l)
+        head = decoder.model.lm_head.weight[list(choices)]  # (2, d_l)
+        two_way = (picked @ head.T).float()  # (n_yes_no, 2); the head has no bias in Llama-family models
+        wanted = torch.tensor([batch[row].yes_no for row in rows])
+        loss = loss + closed_weight * torch.nn.functional.cross_entropy(two_way, wanted)
+    return loss
 
 
 @torch.no_grad()

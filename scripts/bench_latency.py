@@ -140,7 +140,7 @@ def main() -> None:
         prefill_ms_by_tokens[count] = round(1000 * statistics.median(times), 1)
     if isinstance(decoder, LlamaCppDecoder):
         # llama.cpp reads the quantised tensors as stored: the GGUF's size is what a token reads.
-        bytes_per_token = Path(resolve_path(settings.decoder.name_or_path)).stat().st_size
+        bytes_per_token = Path(decoder.gguf_path).stat().st_size
     else:
         bytes_per_token = weight_bytes_per_token(decoder.model)
     result = {
@@ -159,7 +159,7 @@ def main() -> None:
         "prefill_ms_after_100_by_tokens": prefill_ms_by_tokens,
     }
     if isinstance(decoder, LlamaCppDecoder) and Path(args.llama_bench).is_file():
-        reference = run_llama_bench(args.llama_bench, resolve_path(settings.decoder.name_or_path),
+        reference = run_llama_bench(args.llama_bench, decoder.gguf_path,
                                     args.prompt_tokens, args.new_tokens, torch.get_num_threads(), args.runs)
         result["llama_bench_prefill_tok_s"] = reference["prefill"]
         result["llama_bench_decode_tok_s"] = reference["decode"]

@@ -96,6 +96,8 @@ def main() -> None:
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
     engine = choose_engine(settings)
+    if engine == "llama.cpp" and settings.decoder.llama_cpp_type:
+        engine += f"-{settings.decoder.llama_cpp_type.upper()}"  # the weights llama.cpp runs
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the contrast).
     closed = f"{CLOSED_DECODING}c{settings.decoder.closed_contrast:g}y{settings.decoder.yes_bias:g}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import random
 import sys
@@ -55,6 +56,10 @@ def main() -> None:
     parser.add_argument("--val", type=int, default=0,
                         help="hold out this many closed yes/no training questions to watch accuracy on")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    parser.add_argument("--init", default=None,
+                        help="start from these projector weights (fine-tuning) instead of from scratch")
+    parser.add_argument("--closed-weight", type=float, default=0.0,
+                        help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
@@ -62,6 +67,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.init and (args.standardize or args.match_text_scale):
+        parser.error("--init starts from trained weights: --standardize and --match-text-scale only "
+                     "apply to a projector trained from scratch")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,6 +94,8 @@ def main() -> None:
     decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
     projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device)
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
+    if args.init:
+        projector.load(args.init)
     builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
 
     examples = load_specs(args.data)
@@ -100,7 +110,9 @@ def main() -> None:
     blank = cache.features(torch.zeros(64, 64, 3, dtype=torch.uint8).numpy())
     prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
 
-    held_out, held_out_shuffled, choices = [], [], None
+    held_out, held_out_shuffled = [], []
+    choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
+                    for word in ("yes", "no"))
     if args.val:
         # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
         # real image and with another held-out question's image shows whether the image is used.
@@ -110,8 +122,6 @@ def main() -> None:
                              for k, item in enumerate(held_out)]
         leaving = set(picked)
         train = [item for i, item in enumerate(train) if i not in leaving]
-        choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
-                        for word in ("yes", "no"))
 
     if args.standardize:
         mean, std = channel_statistics(list(features_by_image.values()), n_tokens)
@@ -174,7 +184,7 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total_steps, args.lr, warmup)
         loss = batch_loss(decoder, projector, [train[i] for i in indices], prefix_kv, prefix, n_tokens,
-                          blank, args.drop_image, drop_rng)
+                          blank, args.drop_image, drop_rng, args.closed_weight, choices)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
@@ -204,7 +214,9 @@ def main() -> None:
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size, "normalize_input": args.normalize_input},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
-        "drop_image": args.drop_image, "seed": args.seed,
+        "drop_image": args.drop_image, "seed": args.seed, "init": args.init,
+        "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
+        "closed_weight": args.closed_weight,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,28 @@ def test_interleaved_answers_match_answers_alone(pipelines):
                 if isinstance(event, Done):
                     finished[index] = event.answer
     assert finished == alone
+
+
+def test_requantized_gguf_is_made_once_and_read_as_its_type(tmp_path):
+    from medvqa.config import resolve_path
+    from medvqa.llama_engine import gguf_file_type, requantized_gguf
+
+    source = resolve_path(load_settings("offline").decoder.name_or_path)
+    assert requantized_gguf(source, "", tmp_path) == source
+    assert requantized_gguf(source, gguf_file_type(source), tmp_path) == source
+    made = requantized_gguf(source, "q8_0", tmp_path)
+    assert made != source and gguf_file_type(made) == "Q8_0"
+    stamp = os.stat(made).st_mtime_ns
+    assert requantized_gguf(source, "Q8_0", tmp_path) == made and os.stat(made).st_mtime_ns == stamp
+    assert not list(tmp_path.rglob("*.partial"))
+    with pytest.raises(ValueError, match="llama_cpp_type"):
+        requantized_gguf(source, "Q3_X", tmp_path)
+
+    import torch
+
+    from medvqa.pipeline import load_local_decoder
+
+    settings = load_settings("offline")  # the app's own cache folder, as a user's start would use
+    settings.decoder.engine, settings.decoder.llama_cpp_type = "llama.cpp", "Q8_0"
+    decoder = load_local_decoder(settings, torch.device("cpu"), torch.float32)
+    assert gguf_file_type(decoder.gguf_path) == "Q8_0" and decoder.gguf_path.startswith(settings.cache_dir)

@@ -13,7 +13,10 @@ import torch
 from PIL import Image
 
 from medvqa.projector import Projector, read_metadata
-from medvqa.training import Standardized, channel_statistics, training_answer
+from medvqa.datasets import VQAExample
+from medvqa.prompt import PromptBuilder
+from medvqa.training import (Standardized, batch_loss, channel_statistics, make_example, prefix_cache_tensors,
+                             shared_prefix_length, training_answer)
 
 from .conftest import REPO
 
@@ -35,6 +38,30 @@ def test_standardisation_folds_into_the_first_layer(tmp_path):
 def test_answers_are_taught_in_one_spelling():
     assert [training_answer(a) for a in ("yes", "Yes", "YES", " no ")] == ["Yes", "Yes", "Yes", "No"]
     assert [training_answer(a) for a in ("CT", "left lung", "T2")] == ["CT", "Left lung", "T2"]
+
+
+def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
+    decoder, projector = tiny_pipeline.decoder, tiny_pipeline.projector
+    builder = PromptBuilder(decoder.tokenizer, 4, 512, reserve_for_answer=16)
+    prefix = shared_prefix_length(builder)
+    prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
+    torch.manual_seed(0)
+    features = torch.randn(16, tiny_pipeline.vision.hidden_size)
+    made = [make_example(builder, VQAExample(str(i), tmp_path, question, answer, kind), features, prefix)
+            for i, (question, answer, kind) in enumerate([("Is it normal?", "YES", "CLOSED"),
+                                                          ("Is there a mass?", "no", "CLOSED"),
+                                                          ("What organ?", "Liver", "OPEN")])]
+    assert [item.yes_no for item in made] == [0, 1, -1]
+    choices = tuple(decoder.tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("Yes", "No"))
+
+    def loss(items, weight):
+        with torch.no_grad():
+            return float(batch_loss(decoder, projector, items, prefix_kv, prefix, 4, closed_weight=weight,
+                                    choices=choices))
+
+    assert loss(made[2:], 1.0) == loss(made[2:], 0.0)  # no yes/no question: nothing added
+    added = loss(made, 2.0) - loss(made, 0.0)
+    assert added > 0 and abs(added - 2 * (loss(made, 1.0) - loss(made, 0.0))) < 1e-4
 
 
 def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_settings, tmp_path):
@@ -69,3 +96,15 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     projector = Projector(tiny_pipeline.vision.hidden_size, tiny_settings.projector.hidden_size,
                           tiny_pipeline.decoder.hidden_size)
     projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
+
+    # Fine-tuning from those weights with the two-way yes/no loss.
+    tuned = tmp_path / "tuned"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--out", str(tuned)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    card = json.loads((tuned / "card.json").read_text())
+    assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
+    assert card["steps"] == 2
