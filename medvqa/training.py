@@ -69,6 +69,26 @@ class TrainExample:
     image_mask: list[bool]
     labels: list[int]  # -100 except the answer tokens
     yes_no: int = -1  # 0 for a "yes" reference, 1 for "no", -1 otherwise (see batch_loss's closed_weight)
+    views: tuple[torch.Tensor, ...] = ()  # features of augmented copies of the image (--augment)
+
+
+def augmented(image: np.ndarray, index: int) -> np.ndarray:
+    """A fixed random variation of a scan (the `index`-th): a crop of 80-100 % of each side, resized
+    back, a rotation within 7 degrees, brightness and contrast within 15 %. Never a mirror image:
+    left and right are answers."""
+    from PIL import ImageEnhance
+
+    rng = random.Random(index)
+    picture = Image.fromarray(image)
+    width, height = picture.size
+    scale = rng.uniform(0.8, 1.0)
+    crop_w, crop_h = max(1, int(width * scale)), max(1, int(height * scale))
+    left, top = rng.randint(0, width - crop_w), rng.randint(0, height - crop_h)
+    picture = picture.crop((left, top, left + crop_w, top + crop_h)).resize((width, height), Image.BILINEAR)
+    picture = picture.rotate(rng.uniform(-7, 7), resample=Image.BILINEAR)
+    picture = ImageEnhance.Brightness(picture).enhance(rng.uniform(0.85, 1.15))
+    picture = ImageEnhance.Contrast(picture).enhance(rng.uniform(0.85, 1.15))
+    return np.asarray(picture.convert("RGB"))
 
 
 def shared_prefix_length(builder: PromptBuilder) -> int:
@@ -141,7 +161,12 @@ def forward_hidden(decoder: Decoder, projector, batch: list[TrainExample], prefi
         image_mask[row, :n] = torch.tensor(item.image_mask)
         attention[row, prefix:prefix + n] = 1
         use_blank = blank_features is not None and rng is not None and rng.random() < drop_image
-        features.append(blank_features if use_blank else item.features)
+        if use_blank:
+            features.append(blank_features)
+        elif item.views and rng is not None:
+            features.append(rng.choice((item.features,) + item.views))
+        else:
+            features.append(item.features)
     stacked = pool_tokens(torch.stack(features), n_tokens)  # (B, n_tokens, d_v)
     image_tokens = projector(stacked)  # (B, n, d_l)
     embeds = decoder.model.get_input_embeddings()(ids).clone()  # (B, T, d_l)

@@ -29,7 +29,7 @@ from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.prompt import PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, batch_loss, channel_statistics, held_out_yes_no,  # noqa: E402
+from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics, held_out_yes_no,  # noqa: E402
                              encoder_key, lr_at, make_example, training_answer, prefix_cache_tensors, read_image,
                              shared_prefix_length, yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
@@ -60,6 +60,9 @@ def main() -> None:
                         help="start from these projector weights (fine-tuning) instead of from scratch")
     parser.add_argument("--closed-weight", type=float, default=0.0,
                         help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
+    parser.add_argument("--augment", type=int, default=0,
+                        help="augmented copies per image (crop, rotation, brightness, contrast); each step "
+                             "shows an example the original or one of them")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
@@ -102,11 +105,15 @@ def main() -> None:
     cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
     prefix = shared_prefix_length(builder)
     features_by_image: dict[Path, torch.Tensor] = {}
+    views_by_image: dict[Path, tuple[torch.Tensor, ...]] = {}
     train = []
     for example in tqdm(examples, desc="image features", unit="q"):
         if example.image not in features_by_image:
-            features_by_image[example.image] = cache.features(read_image(example.image))
-        train.append(make_example(builder, example, features_by_image[example.image], prefix))
+            pixels = read_image(example.image)
+            features_by_image[example.image] = cache.features(pixels)
+            views_by_image[example.image] = tuple(cache.features(augmented(pixels, k)) for k in range(args.augment))
+        item = make_example(builder, example, features_by_image[example.image], prefix)
+        train.append(dataclasses.replace(item, views=views_by_image[example.image]))
     blank = cache.features(torch.zeros(64, 64, 3, dtype=torch.uint8).numpy())
     prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
 
@@ -117,7 +124,7 @@ def main() -> None:
         # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
         # real image and with another held-out question's image shows whether the image is used.
         picked = held_out_yes_no(examples, args.val, args.seed)
-        held_out = [train[i] for i in picked]
+        held_out = [dataclasses.replace(train[i], views=()) for i in picked]
         held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
                              for k, item in enumerate(held_out)]
         leaving = set(picked)
@@ -214,7 +221,7 @@ def main() -> None:
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size, "normalize_input": args.normalize_input},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
-        "drop_image": args.drop_image, "seed": args.seed, "init": args.init,
+        "drop_image": args.drop_image, "augment": args.augment, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),

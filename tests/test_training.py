@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from medvqa.projector import Projector, read_metadata
 from medvqa.datasets import VQAExample
+from medvqa.projector import Projector, read_metadata
 from medvqa.prompt import PromptBuilder
-from medvqa.training import (Standardized, batch_loss, channel_statistics, make_example, prefix_cache_tensors,
-                             shared_prefix_length, training_answer)
+from medvqa.training import (Standardized, augmented, batch_loss, channel_statistics, make_example,
+                             prefix_cache_tensors, shared_prefix_length, training_answer)
 
 from .conftest import REPO
 
@@ -33,6 +33,14 @@ def test_standardisation_folds_into_the_first_layer(tmp_path):
     folded.save(tmp_path / "p.safetensors")  # a plain projector: same keys and shapes as any other
     reloaded = Projector(20, 12, 16).load(tmp_path / "p.safetensors")
     assert torch.allclose(reloaded(batch), wrapped(batch), atol=1e-5)
+
+
+def test_augmented_copies_are_fixed_per_index_and_keep_the_image_shape():
+    image = np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)
+    first, again, second = augmented(image, 0), augmented(image, 0), augmented(image, 1)
+    assert first.shape == image.shape and first.dtype == np.uint8
+    assert np.array_equal(first, again) and not np.array_equal(first, second)
+    assert not np.array_equal(first, image)
 
 
 def test_answers_are_taught_in_one_spelling():
@@ -102,9 +110,9 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--out", str(tuned)],
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--out", str(tuned)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
-    assert card["steps"] == 2
+    assert card["steps"] == 2 and card["augment"] == 2
