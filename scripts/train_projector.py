@@ -29,9 +29,9 @@ from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.prompt import PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics, held_out_yes_no,  # noqa: E402
-                             encoder_key, lr_at, make_example, training_answer, prefix_cache_tensors, read_image,
-                             shared_prefix_length, yes_no_accuracy)
+from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics,  # noqa: E402
+                             encoder_key, held_out_yes_no, lr_at, make_example, prefix_cache_tensors, read_image,
+                             shared_prefix_length, training_answer, yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
 
 
@@ -159,7 +159,7 @@ def main() -> None:
         total_steps = min(total_steps, args.max_steps)
     warmup = max(1, int(total_steps * args.warmup))
     optimizer = torch.optim.AdamW(projector.parameters(), lr=args.lr, weight_decay=0.0)
-    step, elapsed_before, losses = 0, 0.0, []
+    step, elapsed_before, losses, drop_state = 0, 0.0, [], None
     checkpoint_path = out / "checkpoint.pt"
     if args.resume and checkpoint_path.is_file():
         state = torch.load(checkpoint_path, weights_only=False)
@@ -167,6 +167,7 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed_before, losses = state["step"], state["elapsed"], state["losses"]
         random.setstate(state["python_rng"])
+        drop_state = state.get("drop_rng")
         print(f"resumed at step {step}/{total_steps}")
 
     order_rng = random.Random(args.seed)
@@ -175,9 +176,12 @@ def main() -> None:
         order = list(range(len(train)))
         order_rng.shuffle(order)
         orders.append(order)
-    drop_rng = random.Random(args.seed + 1)
-    for _ in range(step * args.batch_size):
-        drop_rng.random()
+    drop_rng = random.Random(args.seed + 1)  # blank images and augmented views
+    if drop_state is not None:
+        drop_rng.setstate(drop_state)
+    else:  # a checkpoint from before the state was saved: one draw per example, no views
+        for _ in range(step * args.batch_size):
+            drop_rng.random()
 
     if step == 0:
         watch(0)
@@ -207,7 +211,7 @@ def main() -> None:
         if step % 100 == 0 or step == total_steps or (args.max_minutes and minutes >= args.max_minutes):
             torch.save({"projector": projector.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                         "elapsed": elapsed_before + time.time() - started, "losses": losses,
-                        "python_rng": random.getstate()}, checkpoint_path)
+                        "python_rng": random.getstate(), "drop_rng": drop_rng.getstate()}, checkpoint_path)
         if args.max_minutes and minutes >= args.max_minutes and step < total_steps:
             stopped_early = True
             break

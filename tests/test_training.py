@@ -116,3 +116,13 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
     assert card["steps"] == 2 and card["augment"] == 2
+
+    # Resuming that run from its checkpoint continues to the new step count.
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--out", str(tuned),
+         "--resume"], capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "resumed at step 2/3" in completed.stdout
+    assert json.loads((tuned / "card.json").read_text())["steps"] == 3
