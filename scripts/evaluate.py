@@ -29,7 +29,7 @@ from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, 
                             open_recall)
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
-from medvqa.pipeline import Pipeline, choose_engine  # noqa: E402
+from medvqa.pipeline import Pipeline, engine_label  # noqa: E402
 from medvqa.training import read_image  # noqa: E402
 
 CONDITIONS = ("retrieval", "no_retrieval", "shuffled_image", "blank_image")
@@ -95,9 +95,7 @@ def main() -> None:
     shuffled = derangement(examples)
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
-    engine = choose_engine(settings)
-    if engine == "llama.cpp" and settings.decoder.llama_cpp_type:
-        engine += f"-{settings.decoder.llama_cpp_type.upper()}"  # the weights llama.cpp runs
+    engine = engine_label(settings)
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the contrast).
     closed = f"{CLOSED_DECODING}c{settings.decoder.closed_contrast:g}y{settings.decoder.yes_bias:g}"

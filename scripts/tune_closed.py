@@ -32,7 +32,7 @@ def score_held_out(args) -> dict[str, np.ndarray]:
     from tqdm import tqdm
 
     from medvqa.datasets import load_specs
-    from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, choose_engine
+    from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, engine_label
     from medvqa.training import held_out_yes_no, read_image
 
     settings = load_settings(args.profile)
@@ -51,7 +51,7 @@ def score_held_out(args) -> dict[str, np.ndarray]:
         blank.append(pipeline.option_scores(BLANK_IMAGE, prompt, FORMS, BLANK_DIGEST))
     return {"real": np.asarray(real), "shuffled": np.asarray(shuffled), "blank": np.asarray(blank),
             "answers": np.asarray([normalise(example.answer) for example in held_out]),
-            "engine": np.asarray(choose_engine(settings))}
+            "engine": np.asarray(engine_label(settings))}
 
 
 def picks(scores: np.ndarray, yes_bias: float) -> np.ndarray:

@@ -38,3 +38,16 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     # A second run resumes from the per-question file instead of answering again.
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
+
+
+def test_results_are_named_by_the_weights_llama_cpp_runs():
+    from medvqa.config import load_settings
+    from medvqa.pipeline import engine_label
+
+    settings = load_settings("offline")
+    settings.decoder.engine = "llama.cpp"
+    assert engine_label(settings) == "llama.cpp"
+    settings.decoder.llama_cpp_type = "q8_0"
+    assert engine_label(settings) == "llama.cpp-Q8_0"
+    settings.decoder.engine = "transformers"  # the weight type is llama.cpp's alone
+    assert engine_label(settings) == "transformers"
