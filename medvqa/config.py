@@ -37,6 +37,9 @@ class ProjectorConfig:
     hidden_size: int = 512  # bottleneck width h (h < d_v by default)
     weights: str = ""  # safetensors file with multi_modal_projector.linear_{1,2}.*; "" = untrained
     normalize_input: bool = False  # LayerNorm-free per-token L2 normalisation of the encoder features
+    # Where the prompt puts the image: "before" the first question (as LLaVA) or "after" it. A trained
+    # file records the position it was trained with, and that wins over this value.
+    image_position: str = "before"
 
 
 @dataclass

@@ -124,7 +124,9 @@ class Pipeline:
         # A remote decoder gets the image itself and renders its own template: no tokenizer here.
         self.prompts = PromptBuilder(getattr(decoder, "tokenizer", None), vision.num_tokens if vision else 0,
                                      settings.decoder.context_window,
-                                     reserve_for_answer=settings.decoder.max_new_tokens)
+                                     reserve_for_answer=settings.decoder.max_new_tokens,
+                                     image_position=projector.image_position if projector
+                                     else settings.projector.image_position)
         self.image_token_cache = _LRU(feature_cache_size)
         self.prefix_cache = _LRU(prefix_cache_size)
         self.encoder_calls = 0  # how often the vision encoder actually ran (cache misses)
@@ -441,6 +443,7 @@ def load_local_decoder(settings: Settings, device: torch.device, dtype: torch.dt
 def build_projector(settings: Settings, vision_size: int, text_size: int, image_tokens: int = 0) -> Projector:
     config = settings.projector
     projector = Projector(vision_size, config.hidden_size, text_size, config.normalize_input)
+    projector.image_position = config.image_position
     weights = config.weights
     if weights and not weights.startswith("hub:"):
         from pathlib import Path
@@ -457,6 +460,7 @@ def build_projector(settings: Settings, vision_size: int, text_size: int, image_
                     f"{weights} was trained on {trained_tokens} image tokens but the {settings.profile!r} "
                     f"profile's encoder gives {image_tokens}; set vision.pooled_tokens to {trained_tokens}.")
             projector.normalize_input = bool(meta.get("normalize_input", config.normalize_input))
+            projector.image_position = str(meta.get("image_position", config.image_position))
             projector.load(weights)
         else:
             log.warning("Projector weights %s not found: answering with an untrained projector. "

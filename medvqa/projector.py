@@ -27,6 +27,7 @@ class Projector(nn.Module):
     def __init__(self, vision_size: int, hidden_size: int, text_size: int, normalize_input: bool = False):
         super().__init__()
         self.normalize_input = normalize_input
+        self.image_position = "before"  # where the prompt puts the image tokens it was trained on (prompt.py)
         self.linear_1 = nn.Linear(vision_size, hidden_size)
         self.act = nn.GELU()  # exact (erf) GELU, as Hugging Face's "gelu"
         self.linear_2 = nn.Linear(hidden_size, text_size)

@@ -1,7 +1,8 @@
 """Prompt assembly: system rules, image placeholder, cited passages, history, question.
 
 The prompt is rendered with the decoder's own chat template. The image sits at a placeholder in the
-first user message; after tokenisation the placeholder becomes `n_image_tokens` positions flagged in
+first user message, before the question or after it (`image_position`, a property of how the
+projector was trained); after tokenisation the placeholder becomes `n_image_tokens` positions flagged in
 an image mask, which `merge_image_features` fills with projected image features.
 
 Passages are wrapped in `<source id=n>` blocks and the system rules say they are reference data,
@@ -16,6 +17,7 @@ from typing import Sequence
 import torch
 
 IMAGE_PLACEHOLDER = "<image>"
+IMAGE_POSITIONS = ("before", "after")  # the image before the question (as LLaVA) or after it
 
 SYSTEM_PROMPT = (
     "You are MedVQA, a research assistant that answers questions about a medical image. "
@@ -50,18 +52,28 @@ class PromptBuilder:
     context_window: int = 2048
     reserve_for_answer: int = 128
     system_prompt: str = SYSTEM_PROMPT
+    # "after": the first question comes before the image, so a causal decoder computes the image
+    # positions with the question in view (the question shapes how the image is read).
+    image_position: str = "before"
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.image_position not in IMAGE_POSITIONS:
+            raise ValueError(f"image_position must be one of {IMAGE_POSITIONS}, not {self.image_position!r}")
 
     def user_message(self, question: str, passages: Sequence = (), window: str = "",
                      with_image: bool = False) -> str:
-        parts = []
+        image = []
         if with_image:
-            parts.append(IMAGE_PLACEHOLDER)
+            image.append(IMAGE_PLACEHOLDER)
             if window:
-                parts.append(f"(Image shown with {window}.)")
-        for number, passage in enumerate(passages, start=1):
-            parts.append(f"<source id={number}>{passage.text}</source>")
-        parts.append(f"Question: {question.strip()}")
+                image.append(f"(Image shown with {window}.)")
+        parts = [f"<source id={number}>{passage.text}</source>" for number, passage in enumerate(passages, start=1)]
+        question_line = f"Question: {question.strip()}"
+        if self.image_position == "after":
+            parts = parts + [question_line] + image
+        else:
+            parts = image + parts + [question_line]
         return "\n".join(parts)
 
     def messages(self, question: str, history: Sequence[Turn] = (), passages: Sequence = (),

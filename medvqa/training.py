@@ -92,9 +92,14 @@ def augmented(image: np.ndarray, index: int) -> np.ndarray:
 
 
 def shared_prefix_length(builder: PromptBuilder) -> int:
-    """Number of leading prompt tokens before the image (identical for every example)."""
-    prompt = builder.build("x", answer="x")
-    return prompt.image_mask.index(True)
+    """Number of leading prompt tokens every example shares: up to the image or the question,
+    whichever comes first (training computes them once)."""
+    first, second = builder.build("x", answer="x"), builder.build("y", answer="y")
+    length = 0
+    while (length < min(len(first), len(second)) and first.token_ids[length] == second.token_ids[length]
+           and not first.image_mask[length]):
+        length += 1
+    return length
 
 
 def training_answer(answer: str) -> str:

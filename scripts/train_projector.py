@@ -28,7 +28,7 @@ from medvqa.datasets import load_specs  # noqa: E402
 from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
-from medvqa.prompt import PromptBuilder  # noqa: E402
+from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
 from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics,  # noqa: E402
                              encoder_key, held_out_yes_no, lr_at, make_example, prefix_cache_tensors, read_image,
                              shared_prefix_length, training_answer, yes_no_accuracy)
@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--augment", type=int, default=0,
                         help="augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
+    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default="before",
+                        help="the image before the question (as LLaVA) or after it, so the decoder reads "
+                             "the image with the question in view; recorded in the weights")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
@@ -99,7 +102,8 @@ def main() -> None:
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
     if args.init:
         projector.load(args.init)
-    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
+    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32,
+                            image_position=args.image_position)
 
     examples = load_specs(args.data)
     cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
@@ -227,13 +231,14 @@ def main() -> None:
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
         "drop_image": args.drop_image, "augment": args.augment, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
-        "closed_weight": args.closed_weight,
+        "closed_weight": args.closed_weight, "image_position": args.image_position,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),
     }
     final = projector.folded() if args.standardize else projector
-    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
+    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step,
+                                                                "image_position": args.image_position})
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))
 

@@ -406,3 +406,27 @@ def test_projector_trained_on_other_token_count_is_refused(tiny_settings, tmp_pa
     with pytest.raises(ProjectorShapeError, match="trained on 49 image tokens.*gives 16"):
         build_projector(settings, 32, 48, image_tokens=16)
     assert build_projector(settings, 32, 48, image_tokens=49) is not None
+
+
+def test_the_projector_file_says_where_the_prompt_puts_the_image(tiny_pipeline, tiny_settings, tmp_path):
+    import copy
+
+    from medvqa.pipeline import Pipeline, build_projector
+
+    path = tmp_path / "projector.safetensors"
+    tiny_pipeline.projector.save(path, metadata={"image_position": "after"})
+    settings = copy.deepcopy(tiny_settings)
+    settings.projector.weights = str(path)  # settings say "before"; the file's own record wins
+    projector = build_projector(settings, tiny_pipeline.vision.hidden_size, tiny_pipeline.decoder.hidden_size)
+    assert projector.image_position == "after"
+    pipeline = Pipeline(settings, tiny_pipeline.vision, projector, tiny_pipeline.decoder)
+    prompt = pipeline.prompts.build("Is there an effusion?")
+    assert prompt.text.index("Is there an effusion?") < prompt.text.index("<image>")
+    answer, _ = pipeline.answer(_image(), "Is there an effusion?", use_retrieval=False, constrained=True)
+    assert answer in ("Yes", "No")
+    # A second turn keeps the image where the first turn put it.
+    conversation = Conversation(image=_image())
+    list(pipeline.ask(conversation, "Is there an effusion?", use_retrieval=False, max_new_tokens=4))
+    second = pipeline.prompts.build("Which side?", conversation.history)
+    assert sum(second.image_mask) == tiny_pipeline.vision.num_tokens
+    assert second.text.index("Is there an effusion?") < second.text.index("<image>") < second.text.index("Which side?")

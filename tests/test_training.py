@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -46,6 +47,28 @@ def test_augmented_copies_are_fixed_per_index_and_keep_the_image_shape():
 def test_answers_are_taught_in_one_spelling():
     assert [training_answer(a) for a in ("yes", "Yes", "YES", " no ")] == ["Yes", "Yes", "Yes", "No"]
     assert [training_answer(a) for a in ("CT", "left lung", "T2")] == ["CT", "Left lung", "T2"]
+
+
+def test_image_after_the_question_changes_the_prompt_not_the_supervision(tiny_pipeline, tmp_path):
+    tokenizer = tiny_pipeline.decoder.tokenizer
+    before = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16)
+    after = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16, image_position="after")
+    text = after.build("Is it normal?").text
+    assert text.index("Question: Is it normal?") < text.index("<image>")
+    # Every example shares the tokens before the question; the image is not among them.
+    prefix = shared_prefix_length(after)
+    assert not any(after.build("Is it normal?").image_mask[:prefix])
+    assert after.build("x").token_ids[:prefix] == after.build("Why?").token_ids[:prefix]
+    assert after.build("x").token_ids[prefix] != after.build("Why?").token_ids[prefix]
+    example = VQAExample("0", tmp_path, "Is it normal?", "yes", "CLOSED")
+    features = torch.zeros(16, tiny_pipeline.vision.hidden_size)
+    taught = [make_example(builder, example, features, shared_prefix_length(builder))
+              for builder in (before, after)]
+    answers = [[label for label in item.labels if label != -100] for item in taught]
+    assert answers[0] == answers[1] and answers[0]  # the same answer tokens are taught
+    assert sum(taught[1].image_mask) == 4
+    with pytest.raises(ValueError, match="image_position"):
+        PromptBuilder(tokenizer, 4, 512, image_position="middle")
 
 
 def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
@@ -91,7 +114,8 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "4", "--val", "4",
-         "--eval-every", "2", "--standardize", "--match-text-scale", "--drop-image", "0.2", "--out", str(out)],
+         "--eval-every", "2", "--standardize", "--match-text-scale", "--drop-image", "0.2",
+         "--image-position", "after", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((out / "card.json").read_text())
@@ -101,6 +125,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert [entry["step"] for entry in watched] == [0, 2, 4]
     assert all(0.0 <= entry["yes_no_real"] <= 1.0 for entry in watched)
     assert int(read_metadata(out / "projector.safetensors")["steps"]) == 4
+    assert card["image_position"] == read_metadata(out / "projector.safetensors")["image_position"] == "after"
     projector = Projector(tiny_pipeline.vision.hidden_size, tiny_settings.projector.hidden_size,
                           tiny_pipeline.decoder.hidden_size)
     projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
