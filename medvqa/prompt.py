@@ -17,7 +17,9 @@ from typing import Sequence
 import torch
 
 IMAGE_PLACEHOLDER = "<image>"
-IMAGE_POSITIONS = ("before", "after")  # the image before the question (as LLaVA) or after it
+# The image before the question (as LLaVA), after it, or "both": the question, the image, and the
+# question again next to the answer.
+IMAGE_POSITIONS = ("before", "after", "both")
 
 SYSTEM_PROMPT = (
     "You are MedVQA, a research assistant that answers questions about a medical image. "
@@ -52,8 +54,9 @@ class PromptBuilder:
     context_window: int = 2048
     reserve_for_answer: int = 128
     system_prompt: str = SYSTEM_PROMPT
-    # "after": the first question comes before the image, so a causal decoder computes the image
-    # positions with the question in view (the question shapes how the image is read).
+    # "after" and "both": the first question comes before the image, so a causal decoder computes
+    # the image positions with the question in view (the question shapes how the image is read);
+    # "both" repeats it after the image, where the answer starts.
     image_position: str = "before"
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -72,6 +75,8 @@ class PromptBuilder:
         question_line = f"Question: {question.strip()}"
         if self.image_position == "after":
             parts = parts + [question_line] + image
+        elif self.image_position == "both" and image:
+            parts = parts + [question_line] + image + [question_line]
         else:
             parts = image + parts + [question_line]
         return "\n".join(parts)

@@ -34,15 +34,18 @@ def image_data_url(image: np.ndarray) -> str:
 
 
 def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
-    """Our messages (image placeholder inside the first user text) -> OpenAI content parts."""
+    """Our messages (image placeholder inside the first user text) -> OpenAI content parts, the image
+    part where the placeholder was (before or after the question: prompt.IMAGE_POSITIONS)."""
     converted = []
     for message in messages:
         content = message["content"]
         if message["role"] == "user" and IMAGE_PLACEHOLDER in content:
-            text = content.replace(IMAGE_PLACEHOLDER, "").strip()
-            converted.append({"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_data_url(image)}},
-                {"type": "text", "text": text}]})
+            before, after = (text.strip() for text in content.split(IMAGE_PLACEHOLDER, 1))
+            parts = [{"type": "text", "text": before}] if before else []
+            parts.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
+            if after:
+                parts.append({"type": "text", "text": after})
+            converted.append({"role": "user", "content": parts})
         else:
             converted.append({"role": message["role"], "content": content})
     return converted

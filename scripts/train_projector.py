@@ -64,8 +64,9 @@ def main() -> None:
                         help="augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
     parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default="before",
-                        help="the image before the question (as LLaVA) or after it, so the decoder reads "
-                             "the image with the question in view; recorded in the weights")
+                        help="the image before the question (as LLaVA), after it (the decoder reads the "
+                             "image with the question in view), or both (question, image, question again); "
+                             "recorded in the weights")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)

@@ -98,3 +98,14 @@ def test_missing_base_url_is_explained():
     settings = _settings("")
     with pytest.raises(RemoteError, match="MEDVQA_DECODER__BASE_URL"):
         RemoteDecoder(settings.decoder)
+
+
+def test_the_image_part_goes_where_the_prompt_puts_the_image():
+    from medvqa.remote import to_openai_messages
+
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    first = to_openai_messages([{"role": "user", "content": "<image>\nQuestion: Is it normal?"}], image)
+    assert [part["type"] for part in first[0]["content"]] == ["image_url", "text"]
+    after = to_openai_messages([{"role": "user", "content": "Question: Is it normal?\n<image>"}], image)
+    assert [part["type"] for part in after[0]["content"]] == ["text", "image_url"]
+    assert after[0]["content"][0]["text"] == "Question: Is it normal?"

@@ -67,6 +67,8 @@ def test_image_after_the_question_changes_the_prompt_not_the_supervision(tiny_pi
     answers = [[label for label in item.labels if label != -100] for item in taught]
     assert answers[0] == answers[1] and answers[0]  # the same answer tokens are taught
     assert sum(taught[1].image_mask) == 4
+    both = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16, image_position="both").build("Is it normal?").text
+    assert both.index("Question: Is it normal?") < both.index("<image>") < both.rindex("Question: Is it normal?")
     with pytest.raises(ValueError, match="image_position"):
         PromptBuilder(tokenizer, 4, 512, image_position="middle")
 
