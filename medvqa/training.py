@@ -117,9 +117,32 @@ def training_answer(answer: str) -> str:
 def held_out_yes_no(examples: list[VQAExample], count: int, seed: int) -> list[int]:
     """Indices of a fixed sample of closed yes/no questions that training leaves out (--val), so that
     choices made after training (e.g. decoder.closed_contrast) are tuned on questions it never saw."""
-    yes_no = [i for i, example in enumerate(examples)
-              if example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")]
+    yes_no = [i for i, example in enumerate(examples) if _is_yes_no(example)]
     return sorted(random.Random(seed + 2).sample(yes_no, min(count, len(yes_no))))
+
+
+def held_out_images(examples: list[VQAExample], count: int, seed: int) -> tuple[list[int], list[int]]:
+    """A held-out set of whole images (--val-by-image): images are drawn at random until their closed
+    yes/no questions number at least `count`. Returns (those yes/no questions, every question on the
+    drawn images); training leaves out all of the second, so the first asks about images it never saw,
+    as a test split of new images does (SLAKE's validation images are not in its training split)."""
+    by_image: dict = {}
+    for index, example in enumerate(examples):
+        by_image.setdefault(example.image, []).append(index)
+    images = sorted(by_image, key=str)
+    random.Random(seed + 3).shuffle(images)
+    watched: list[int] = []
+    left_out: list[int] = []
+    for image in images:
+        if len(watched) >= count:
+            break
+        left_out += by_image[image]
+        watched += [index for index in by_image[image] if _is_yes_no(examples[index])]
+    return sorted(watched), sorted(left_out)
+
+
+def _is_yes_no(example: VQAExample) -> bool:
+    return example.answer_type == "CLOSED" and normalise(example.answer) in ("yes", "no")
 
 
 def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Tensor, prefix: int) -> TrainExample:

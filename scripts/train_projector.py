@@ -30,7 +30,7 @@ from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
 from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics,  # noqa: E402
-                             encoder_key, held_out_yes_no, lr_at, make_example, prefix_cache_tensors, read_image,
+                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example, prefix_cache_tensors, read_image,
                              shared_prefix_length, training_answer, yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
 
@@ -55,6 +55,9 @@ def main() -> None:
                         help="scale the initial output layer so image tokens start at the norm of text embeddings")
     parser.add_argument("--val", type=int, default=0,
                         help="hold out this many closed yes/no training questions to watch accuracy on")
+    parser.add_argument("--val-by-image", action="store_true",
+                        help="hold out whole images instead: every question on randomly drawn images leaves "
+                             "training, and their yes/no questions (at least --val) are watched")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--init", default=None,
                         help="start from these projector weights (fine-tuning) instead of from scratch")
@@ -128,11 +131,14 @@ def main() -> None:
     if args.val:
         # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
         # real image and with another held-out question's image shows whether the image is used.
-        picked = held_out_yes_no(examples, args.val, args.seed)
+        if args.val_by_image:
+            picked, left_out = held_out_images(examples, args.val, args.seed)
+        else:
+            picked = left_out = held_out_yes_no(examples, args.val, args.seed)
         held_out = [dataclasses.replace(train[i], views=()) for i in picked]
         held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
                              for k, item in enumerate(held_out)]
-        leaving = set(picked)
+        leaving = set(left_out)
         train = [item for i, item in enumerate(train) if i not in leaving]
 
     if args.standardize:
@@ -155,7 +161,8 @@ def main() -> None:
         real, yes_share = yes_no_accuracy(decoder, projector, held_out, prefix_kv, prefix, n_tokens, choices)
         shuffled, _ = yes_no_accuracy(decoder, projector, held_out_shuffled, prefix_kv, prefix, n_tokens, choices)
         projector.train()
-        tqdm.write(json.dumps({"step": step, "held_out": len(held_out), "yes_no_real": round(real, 4),
+        tqdm.write(json.dumps({"step": step, "held_out": len(held_out),
+        "held_out_by_image": args.val_by_image, "yes_no_real": round(real, 4),
                                "yes_no_shuffled": round(shuffled, 4), "answered_yes": round(yes_share, 4)}))
 
     steps_per_epoch = len(train) // args.batch_size
@@ -230,6 +237,7 @@ def main() -> None:
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size, "normalize_input": args.normalize_input},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
+        "held_out_by_image": args.val_by_image,
         "drop_image": args.drop_image, "augment": args.augment, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "image_position": args.image_position,

@@ -4,7 +4,7 @@ a test split.
     python scripts/tune_closed.py --profile offline --data vqa-rad:train slake:train --val 300
 
 Takes the same held-out closed yes/no questions as `train_projector.py --val 300` (same data, same
-seed) and scores Yes and No with the real image, with another held-out question's image (the
+seed; add --val-by-image if training held out whole images) and scores Yes and No with the real image, with another held-out question's image (the
 shuffled condition, paired as training pairs them) and with the blank image. For each pair in the
 grid, an option's score is s(image) - contrast * s(blank) (+ yes_bias for Yes); it prints accuracy
 with the real and the shuffled image. The scores are saved (--scores) so the grid can be re-read
@@ -33,13 +33,15 @@ def score_held_out(args) -> dict[str, np.ndarray]:
 
     from medvqa.datasets import load_specs
     from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, engine_label
-    from medvqa.training import held_out_yes_no, read_image
+    from medvqa.training import held_out_images, held_out_yes_no, read_image
 
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
     examples = load_specs(args.data)
-    held_out = [examples[i] for i in held_out_yes_no(examples, args.val, args.seed)]
+    picked = (held_out_images(examples, args.val, args.seed)[0] if args.val_by_image
+              else held_out_yes_no(examples, args.val, args.seed))
+    held_out = [examples[i] for i in picked]
     pipeline = Pipeline.load(settings, with_retrieval=False)
     images = [read_image(example.image) for example in held_out]
     real, shuffled, blank = [], [], []
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
                         help="the training data, as given to train_projector.py")
     parser.add_argument("--val", type=int, default=300, help="held-out questions, as given to train_projector.py")
+    parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
     parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
     parser.add_argument("--contrast", type=float, nargs="+", default=[0.0, 0.2, 0.5, 1.0])
     parser.add_argument("--yes-bias", type=float, nargs="+",

@@ -73,6 +73,19 @@ def test_image_after_the_question_changes_the_prompt_not_the_supervision(tiny_pi
         PromptBuilder(tokenizer, 4, 512, image_position="middle")
 
 
+def test_a_held_out_set_of_whole_images_leaves_all_their_questions_out(tmp_path):
+    from medvqa.training import held_out_images
+
+    examples = [VQAExample(str(i), tmp_path / f"{i // 3}.png", f"Question {i}?", ("yes", "no", "Liver")[i % 3],
+                           "OPEN" if i % 3 == 2 else "CLOSED") for i in range(60)]  # 20 images, 3 questions each
+    watched, left_out = held_out_images(examples, 5, seed=0)
+    assert (watched, left_out) == held_out_images(examples, 5, seed=0)  # fixed by the seed
+    assert len(watched) == 6 and set(watched) <= set(left_out) and len(left_out) == 9  # 3 whole images
+    assert all(examples[i].answer in ("yes", "no") for i in watched)
+    held_images = {examples[i].image for i in left_out}
+    assert not any(example.image in held_images for i, example in enumerate(examples) if i not in left_out)
+
+
 def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
     decoder, projector = tiny_pipeline.decoder, tiny_pipeline.projector
     builder = PromptBuilder(decoder.tokenizer, 4, 512, reserve_for_answer=16)
@@ -137,19 +150,22 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--out", str(tuned)],
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--val", "2",
+         "--val-by-image", "--out", str(tuned)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
     assert card["steps"] == 2 and card["augment"] == 2
+    assert card["held_out_by_image"] is True and card["held_out"] == 2
+    assert card["examples"] == len(rows) - 4  # both questions on each of the 2 held-out images
 
     # Resuming that run from its checkpoint continues to the new step count.
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--out", str(tuned),
-         "--resume"], capture_output=True, text=True, env=env, timeout=600)
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--val", "2",
+         "--val-by-image", "--out", str(tuned), "--resume"], capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resumed at step 2/3" in completed.stdout
     assert json.loads((tuned / "card.json").read_text())["steps"] == 3
