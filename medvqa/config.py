@@ -37,8 +37,8 @@ class ProjectorConfig:
     hidden_size: int = 512  # bottleneck width h (h < d_v by default)
     weights: str = ""  # safetensors file with multi_modal_projector.linear_{1,2}.*; "" = untrained
     normalize_input: bool = False  # LayerNorm-free per-token L2 normalisation of the encoder features
-    # Where the prompt puts the image: "before" the first question (as LLaVA) or "after" it. A trained
-    # file records the position it was trained with, and that wins over this value.
+    # Where the prompt puts the image: "before" the first question (as LLaVA), "after" it, or "both"
+    # (prompt.IMAGE_POSITIONS). A trained file records the position it was trained with, and that wins.
     image_position: str = "before"
 
 

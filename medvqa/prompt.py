@@ -1,7 +1,7 @@
 """Prompt assembly: system rules, image placeholder, cited passages, history, question.
 
 The prompt is rendered with the decoder's own chat template. The image sits at a placeholder in the
-first user message, before the question or after it (`image_position`, a property of how the
+first user message, before or after the question (`image_position`, a property of how the
 projector was trained); after tokenisation the placeholder becomes `n_image_tokens` positions flagged in
 an image mask, which `merge_image_features` fills with projected image features.
 

@@ -28,10 +28,12 @@ from medvqa.datasets import load_specs  # noqa: E402
 from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
+from medvqa.projector import read_metadata  # noqa: E402
 from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
 from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics,  # noqa: E402
-                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example, prefix_cache_tensors, read_image,
-                             shared_prefix_length, training_answer, yes_no_accuracy)
+                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example,
+                             prefix_cache_tensors, read_image, shared_prefix_length, training_answer,
+                             yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
 
 
@@ -66,10 +68,10 @@ def main() -> None:
     parser.add_argument("--augment", type=int, default=0,
                         help="augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
-    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default="before",
-                        help="the image before the question (as LLaVA), after it (the decoder reads the "
-                             "image with the question in view), or both (question, image, question again); "
-                             "recorded in the weights")
+    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default=None,
+                        help="the image before the question (as LLaVA; the default), after it (the decoder "
+                             "reads the image with the question in view), or both (question, image, question "
+                             "again); recorded in the weights. With --init: the init file's position")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
@@ -77,6 +79,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.image_position is None:
+        recorded = read_metadata(args.init).get("image_position") if args.init else None
+        args.image_position = str(recorded or "before")
     if args.init and (args.standardize or args.match_text_scale):
         parser.error("--init starts from trained weights: --standardize and --match-text-scale only "
                      "apply to a projector trained from scratch")

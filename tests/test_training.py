@@ -158,6 +158,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
     assert card["steps"] == 2 and card["augment"] == 2
     assert card["held_out_by_image"] is True and card["held_out"] == 2
+    assert card["image_position"] == "after"  # taken from the --init file
     assert card["examples"] == len(rows) - 4  # both questions on each of the 2 held-out images
 
     # Resuming that run from its checkpoint continues to the new step count.
