@@ -155,8 +155,7 @@ def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Te
     end_tokens = builder.tokenizer("\n", add_special_tokens=False)["input_ids"]
     if end_tokens and full.token_ids[-len(end_tokens):] == end_tokens:
         labels[-len(end_tokens):] = [-100] * len(end_tokens)
-    reference = normalise(example.answer)
-    yes_no = ("yes", "no").index(reference) if example.answer_type == "CLOSED" and reference in ("yes", "no") else -1
+    yes_no = ("yes", "no").index(normalise(example.answer)) if _is_yes_no(example) else -1
     return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:], yes_no)
 
 

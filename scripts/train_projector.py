@@ -138,6 +138,8 @@ def main() -> None:
         # real image and with another held-out question's image shows whether the image is used.
         if args.val_by_image:
             picked, left_out = held_out_images(examples, args.val, args.seed)
+            print(f"held out {len(left_out)} questions on {len({examples[i].image for i in left_out})} whole "
+                  f"images; {len(picked)} of them are yes/no")
         else:
             picked = left_out = held_out_yes_no(examples, args.val, args.seed)
         held_out = [dataclasses.replace(train[i], views=()) for i in picked]
