@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,11 +211,17 @@ def forward_hidden(decoder: Decoder, projector, batch: list[TrainExample], prefi
 def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv, prefix: int,
                n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
                rng: random.Random | None = None, closed_weight: float = 0.0,
-               choices: tuple[int, int] | None = None) -> torch.Tensor:
+               choices: tuple[int, int] | None = None, contrast_weight: float = 0.0,
+               contrast_margin: float = 0.5) -> torch.Tensor:
     """Cross-entropy on the answer tokens; with `closed_weight`, plus that weight times a two-way
     cross-entropy between the "Yes" and "No" tokens (`choices`) at the first answer position of
     every yes/no question in the batch: the decision constrained decoding makes at inference, which
-    the token loss dilutes among the many tokens of open answers."""
+    the token loss dilutes among the many tokens of open answers.
+
+    With `contrast_weight`, plus that weight times an image-reliance hinge: each yes/no question is
+    asked again with the image of the next example in the batch (a different image), and its right
+    answer's two-way log-probability with its own image must beat the one with the other image by
+    `contrast_margin`; see image_contrast_loss."""
     hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens,
                                     blank_features, drop_image, rng)
     targets = labels[:, 1:]  # token t+1 is predicted from position t
@@ -231,7 +238,51 @@ def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv
         two_way = (picked @ head.T).float()  # (n_yes_no, 2); the head has no bias in Llama-family models
         wanted = torch.tensor([batch[row].yes_no for row in rows])
         loss = loss + closed_weight * torch.nn.functional.cross_entropy(two_way, wanted)
+    if contrast_weight and choices is not None and rows:
+        loss = loss + contrast_weight * image_contrast_loss(decoder, projector, batch, hidden, predicting,
+                                                            prefix_kv, prefix, n_tokens, choices,
+                                                            contrast_margin)
     return loss
+
+
+def _two_way_right(decoder: Decoder, hidden_rows: torch.Tensor, choices: tuple[int, int],
+                   wanted: torch.Tensor) -> torch.Tensor:
+    """Log-probability of the right one of the two answer tokens, per row, from (n, d_l) states."""
+    head = decoder.model.lm_head.weight[list(choices)]  # (2, d_l)
+    two_way = torch.log_softmax((hidden_rows @ head.T).float(), dim=-1)  # (n, 2)
+    return two_way.gather(1, wanted.unsqueeze(1)).squeeze(1)
+
+
+def image_contrast_loss(decoder: Decoder, projector, batch: list[TrainExample], hidden: torch.Tensor,
+                        predicting: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
+                        choices: tuple[int, int], margin: float) -> torch.Tensor:
+    """Mean hinge max(0, margin - (log p(right | own image) - log p(right | other image))) over the
+    batch's yes/no questions, in two-way (Yes/No) log-probabilities at the first answer position.
+
+    The other image is the next example's in the batch (cyclically), skipped where that is the same
+    image: the shuffled-image test of the evaluation, turned into a training signal. The other image
+    sometimes has the same right answer; the margin keeps that pull small (no gradient once the own
+    image leads by `margin`)."""
+    pairs = []
+    for row, item in enumerate(batch):
+        if item.yes_no < 0:
+            continue
+        for step in range(1, len(batch)):
+            partner = batch[(row + step) % len(batch)]
+            if partner.features is not item.features and not torch.equal(partner.features, item.features):
+                pairs.append((row, partner))
+                break
+    if not pairs:
+        return hidden.new_zeros(())
+    rows = [row for row, _ in pairs]
+    swapped = [dataclasses.replace(batch[row], features=partner.features, views=()) for row, partner in pairs]
+    other_hidden, other_labels = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
+    first = predicting.float().argmax(1)  # position predicting each row's first answer token
+    other_first = (other_labels[:, 1:] != -100).float().argmax(1)
+    wanted = torch.tensor([batch[row].yes_no for row in rows])
+    own = _two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
+    other = _two_way_right(decoder, other_hidden[torch.arange(len(rows)), other_first], choices, wanted)
+    return torch.relu(margin - (own - other)).mean()
 
 
 @torch.no_grad()

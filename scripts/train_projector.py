@@ -65,6 +65,11 @@ def main() -> None:
                         help="start from these projector weights (fine-tuning) instead of from scratch")
     parser.add_argument("--closed-weight", type=float, default=0.0,
                         help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
+    parser.add_argument("--contrast-weight", type=float, default=0.0,
+                        help="weight of an image-reliance loss: each yes/no question is also asked with another "
+                             "image of the batch, and its right answer must be likelier with its own image")
+    parser.add_argument("--contrast-margin", type=float, default=0.5,
+                        help="how far (two-way log-probability) the own image must lead before that loss stops")
     parser.add_argument("--augment", type=int, default=0,
                         help="augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
@@ -214,7 +219,8 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total_steps, args.lr, warmup)
         loss = batch_loss(decoder, projector, [train[i] for i in indices], prefix_kv, prefix, n_tokens,
-                          blank, args.drop_image, drop_rng, args.closed_weight, choices)
+                          blank, args.drop_image, drop_rng, args.closed_weight, choices,
+                          args.contrast_weight, args.contrast_margin)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
@@ -247,7 +253,8 @@ def main() -> None:
         "held_out_by_image": args.val_by_image,
         "drop_image": args.drop_image, "augment": args.augment, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
-        "closed_weight": args.closed_weight, "image_position": args.image_position,
+        "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
+        "contrast_margin": args.contrast_margin, "image_position": args.image_position,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),

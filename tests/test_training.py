@@ -86,19 +86,26 @@ def test_a_held_out_set_of_whole_images_leaves_all_their_questions_out(tmp_path)
     assert not any(example.image in held_images for i, example in enumerate(examples) if i not in left_out)
 
 
-def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
-    decoder, projector = tiny_pipeline.decoder, tiny_pipeline.projector
+def _loss_setup(tiny_pipeline, tmp_path, rows):
+    """Training examples for (question, answer, kind, features) rows on the tiny models, with what
+    batch_loss needs: (decoder, projector, examples, prefix_kv, prefix, Yes/No token ids)."""
+    decoder = tiny_pipeline.decoder
     builder = PromptBuilder(decoder.tokenizer, 4, 512, reserve_for_answer=16)
     prefix = shared_prefix_length(builder)
-    prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
+    made = [make_example(builder, VQAExample(str(i), tmp_path, question, answer, kind), features, prefix)
+            for i, (question, answer, kind, features) in enumerate(rows)]
+    choices = tuple(decoder.tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("Yes", "No"))
+    return decoder, tiny_pipeline.projector, made, prefix_cache_tensors(decoder, builder, prefix), prefix, choices
+
+
+def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
     torch.manual_seed(0)
     features = torch.randn(16, tiny_pipeline.vision.hidden_size)
-    made = [make_example(builder, VQAExample(str(i), tmp_path, question, answer, kind), features, prefix)
-            for i, (question, answer, kind) in enumerate([("Is it normal?", "YES", "CLOSED"),
-                                                          ("Is there a mass?", "no", "CLOSED"),
-                                                          ("What organ?", "Liver", "OPEN")])]
+    decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
+        tiny_pipeline, tmp_path, [("Is it normal?", "YES", "CLOSED", features),
+                                  ("Is there a mass?", "no", "CLOSED", features),
+                                  ("What organ?", "Liver", "OPEN", features)])
     assert [item.yes_no for item in made] == [0, 1, -1]
-    choices = tuple(decoder.tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("Yes", "No"))
 
     def loss(items, weight):
         with torch.no_grad():
@@ -108,6 +115,33 @@ def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline
     assert loss(made[2:], 1.0) == loss(made[2:], 0.0)  # no yes/no question: nothing added
     added = loss(made, 2.0) - loss(made, 0.0)
     assert added > 0 and abs(added - 2 * (loss(made, 1.0) - loss(made, 0.0))) < 1e-4
+
+
+def test_image_contrast_loss_compares_each_yes_no_answer_with_another_image(tiny_pipeline, tmp_path):
+    torch.manual_seed(0)
+    bright, dark = torch.randn(16, tiny_pipeline.vision.hidden_size), torch.randn(16, tiny_pipeline.vision.hidden_size)
+    decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
+        tiny_pipeline, tmp_path, [("Is it normal?", "yes", "CLOSED", bright), ("Is there a mass?", "no", "CLOSED", dark),
+                                  ("What organ?", "Liver", "OPEN", bright)])
+
+    def loss(items, weight, margin=0.5):
+        return batch_loss(decoder, projector, items, prefix_kv, prefix, 4, choices=choices,
+                          contrast_weight=weight, contrast_margin=margin)
+
+    with torch.no_grad():
+        base = float(loss(made, 0.0))
+        # Own and other image give nearly the same answer in an untrained model: about the margin is added.
+        added = float(loss(made, 1.0)) - base
+        assert 0.3 < added < 0.7
+        assert abs((float(loss(made, 2.0)) - base) - 2 * added) < 1e-4
+        assert float(loss(made, 1.0, margin=-5.0)) == pytest.approx(base)  # the own image leads by more
+        one_image = [made[0], made[2]]  # the only other example shares the image: nothing to contrast
+        assert float(loss(one_image, 1.0)) == pytest.approx(float(loss(one_image, 0.0)))
+        assert float(loss(made[2:], 1.0)) == pytest.approx(float(loss(made[2:], 0.0)))  # no yes/no question
+    projector.zero_grad()
+    (loss(made, 1.0) - loss(made, 0.0)).backward()  # the added term alone reaches the projector
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
+    projector.zero_grad()
 
 
 def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_settings, tmp_path):
@@ -150,12 +184,13 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--val", "2",
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--augment", "2", "--val", "2",
          "--val-by-image", "--out", str(tuned)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
+    assert card["contrast_weight"] == 0.5 and card["contrast_margin"] == 0.5
     assert card["steps"] == 2 and card["augment"] == 2
     assert card["held_out_by_image"] is True and card["held_out"] == 2
     assert card["image_position"] == "after"  # taken from the --init file
@@ -165,7 +200,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--augment", "2", "--val", "2",
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--augment", "2", "--val", "2",
          "--val-by-image", "--out", str(tuned), "--resume"], capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resumed at step 2/3" in completed.stdout
