@@ -96,6 +96,7 @@ class _Slot:
     cached: list[int] = field(default_factory=list)  # keyed ids whose keys/values the sequence holds
     busy: bool = False
     last_used: float = 0.0
+    forget: set[int] = field(default_factory=set)  # image keys to drop once the slot is given back
 
 
 class LlamaCppDecoder:
@@ -178,10 +179,43 @@ class LlamaCppDecoder:
             return slot
 
     def _give_back(self, slot: _Slot) -> None:
+        if slot.forget:
+            with self._lock:
+                self._drop_keys(slot, slot.forget)
+            slot.forget = set()
         with self._slots_changed:
             slot.busy = False
             slot.last_used = time.monotonic()
             self._slots_changed.notify()
+
+    def forget(self, key: int) -> int:
+        """Drop the keys/values of every slot from the first position holding `key` (an image's key in
+        the keyed ids) on, keeping what precedes it (the shared system prompt): a conversation that
+        ends takes its scan out of the cache. A slot in use is cleared when it is given back. Returns
+        how many slots held the key."""
+        with self._slots_changed:
+            holding = [slot for slot in self._slots if key in slot.cached]
+            idle = [slot for slot in holding if not slot.busy]
+            for slot in holding:
+                if slot.busy:
+                    slot.forget.add(key)
+                else:
+                    slot.busy = True
+        try:
+            with self._lock:
+                for slot in idle:
+                    self._drop_keys(slot, {key})
+        finally:
+            with self._slots_changed:
+                for slot in idle:
+                    slot.busy = False
+                self._slots_changed.notify_all()
+        return len(holding)
+
+    def _drop_keys(self, slot: _Slot, keys: set[int]) -> None:
+        first = next((position for position, key in enumerate(slot.cached) if key in keys), None)
+        if first is not None:
+            self._truncate(slot, first)
 
     # --- feeding (call with the lock held) ----------------------------------------------------------
 

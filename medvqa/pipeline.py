@@ -103,6 +103,10 @@ class _LRU:
     def __len__(self) -> int:
         return len(self._items)
 
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._items)
+
 
 @dataclass
 class _PrefixState:
@@ -176,8 +180,13 @@ class Pipeline:
     def new_conversation(self, scan) -> Conversation:
         return Conversation.from_scan(scan)
 
-    def end_conversation(self, conversation: Conversation) -> None:
+    def end_conversation(self, conversation: Conversation, *, keep_image: bool = False) -> None:
+        """Drop the conversation's decoder cache. With llama.cpp the cache lives in slots shared by
+        content, and the scan's keys/values are dropped from them too unless `keep_image` (a caller
+        asking one question at a time about the same image, as the evaluation does)."""
         self.prefix_cache.pop(conversation.id)
+        if isinstance(self.decoder, LlamaCppDecoder) and not keep_image and conversation.image is not None:
+            self.decoder.forget(self._image_key(image_digest(conversation.image)))
 
     # --- retrieval -----------------------------------------------------------------------------
 
@@ -258,15 +267,23 @@ class Pipeline:
     def _keyed_ids(self, digest: str, token_ids: list[int], image_mask: list[bool]) -> list[int]:
         """Prompt ids with each image slot replaced by a key of the image's pixels (`digest`), so a
         cache built on other pixels never matches."""
-        image_key = -2 - int(digest[:12], 16)
+        image_key = self._image_key(digest)
         return [image_key if masked else token for token, masked in zip(token_ids, image_mask)]
+
+    @staticmethod
+    def _image_key(digest: str) -> int:
+        return -2 - int(digest[:12], 16)  # negative: never a token id
 
     def warm_next_turn(self, conversation: Conversation) -> int:
         """Extend the conversation's decoder cache with the part of the next prompt that does not
         depend on the next question (the last answer as the template renders it, end of turn, the
-        next user header); returns how many prompt tokens are now cached (0 if nothing was done)."""
-        if not conversation.history:
-            return 0
+        next user header); returns how many prompt tokens are now cached (0 if nothing was done).
+
+        Before the first question it caches the system prompt, the image tokens and the user header:
+        the app calls it when a scan is shown, so the first question, too, has only its own words to
+        prefill (the vision encoder has run by then as well)."""
+        if isinstance(self.decoder, RemoteDecoder):
+            return 0  # the server keeps its own cache
         window = self._prompt_window(conversation)
         # Two prompts that differ only in the question share exactly the question-independent part.
         first = self.prompts.build("a", conversation.history, (), window)
@@ -366,7 +383,9 @@ class Pipeline:
                               max_new_tokens=max_new_tokens, warm=False):
             if isinstance(event, Done):
                 done = event
-        self.end_conversation(conversation)
+        # The next call is often about the same image (the evaluation goes image by image): llama.cpp's
+        # slots keep its keys/values for it, bounded by the slot count.
+        self.end_conversation(conversation, keep_image=True)
         return done.answer, done.passages
 
     def _prompt_embeddings(self, image: np.ndarray, token_ids: list[int], image_mask: list[bool],

@@ -67,10 +67,16 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
 
     assert "not a diagnosis" in page.inner_text("#medvqa-notice")
     ct = dicom_file("CT_small.dcm")
+    cached_before = set(ui_pipeline.prefix_cache.keys())
     first_src = upload_scan(page, ct)
     assert first_src.startswith("data:image/png;base64,")
     assert "DICOM · 128×128 px" in page.inner_text("#medvqa-viewer")
     screenshot(page, "01-scan-loaded.png")
+    # Showing the scan is followed by warming: its conversation's prompt up to the question is cached.
+    deadline = time.time() + 60
+    while not set(ui_pipeline.prefix_cache.keys()) - cached_before and time.time() < deadline:
+        time.sleep(0.05)
+    assert set(ui_pipeline.prefix_cache.keys()) - cached_before, "the scan was not warmed after the upload"
 
     # Ask, and watch the answer arrive piece by piece.
     page.fill("#medvqa-question textarea", QUESTION)

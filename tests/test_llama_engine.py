@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -r requirements-llama.txt)")
 
 from medvqa.config import load_settings  # noqa: E402
-from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
+from medvqa.pipeline import Conversation, Done, Pipeline, image_digest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,47 @@ def test_warming_the_next_turn_keeps_the_answer_and_shortens_the_prefill(pipelin
     warmed, cold = turns
     assert warmed.answer == cold.answer
     assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"]
+
+
+def test_warming_before_the_first_question_keeps_the_answer(pipelines):
+    """As the app does when a scan is shown: the image and the prompt up to the question are cached
+    in a llama.cpp slot before the first question, which then reuses them."""
+    llama, _ = pipelines
+    turns = []
+    for warm in (False, True):  # the cold turn first: ending it takes the image out of the slots
+        conversation = Conversation(image=_image(7))
+        if warm:
+            assert llama.warm_next_turn(conversation) > llama.vision.num_tokens
+        turns.append(list(llama.ask(conversation, "Which side is abnormal?", constrained=False, max_new_tokens=8,
+                                    warm=False, use_retrieval=False))[-1])
+        llama.end_conversation(conversation)
+    cold, warmed = turns
+    assert warmed.answer == cold.answer
+    assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"] + llama.vision.num_tokens
+
+
+def test_ending_a_conversation_drops_its_scan_from_the_slots(pipelines):
+    """llama.cpp's slots are shared by content; a conversation that ends takes its image's keys and
+    values with it (the shared system prompt stays), unless a one-shot caller keeps them."""
+    llama, _ = pipelines
+    image = _image(8)
+    key = llama._image_key(image_digest(image))
+
+    def slots_holding():
+        return [slot for slot in llama.decoder._slots if key in slot.cached]
+
+    conversation = Conversation(image=image)
+    first = list(llama.ask(conversation, "Describe the image.", constrained=False, max_new_tokens=4,
+                           use_retrieval=False))[-1]
+    assert slots_holding()
+    llama.end_conversation(conversation)
+    assert not slots_holding()
+    again = list(llama.ask(Conversation(image=image), "Describe the image.", constrained=False, max_new_tokens=4,
+                           use_retrieval=False, warm=False))[-1]
+    assert again.answer == first.answer and again.timings["reused_tokens"] == first.timings["reused_tokens"] > 0
+    llama.answer(image, "Describe the image.", use_retrieval=False, constrained=False)  # a one-shot keeps it
+    assert slots_holding()
+    assert llama.decoder.forget(key) >= 1 and not slots_holding()
 
 
 def test_interleaved_answers_match_answers_alone(pipelines):

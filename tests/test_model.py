@@ -166,6 +166,25 @@ def test_warming_leaves_only_the_next_question_to_prefill(tiny_pipeline):
     assert warmed.timings["prompt_tokens"] - warmed.timings["reused_tokens"] <= question_tokens + 1
 
 
+def test_warming_before_the_first_question_leaves_only_the_question_to_prefill(tiny_pipeline):
+    """The app warms a conversation when its scan is shown: system prompt, image tokens and user
+    header are cached, the first answer is unchanged and prefills little more than the question."""
+    question = "Is there an effusion?"
+    rest = tiny_pipeline.prompts.build(question).text.split("Question:")[-1]
+    question_tokens = len(tiny_pipeline.decoder.tokenizer(rest, add_special_tokens=False)["input_ids"])
+    turns = []
+    for warm in (True, False):
+        conversation = Conversation(image=_image(12))
+        if warm:
+            assert tiny_pipeline.warm_next_turn(conversation) > tiny_pipeline.vision.num_tokens
+        turns.append(list(tiny_pipeline.ask(conversation, question, max_new_tokens=6, constrained=False,
+                                            warm=False))[-1])
+        tiny_pipeline.end_conversation(conversation)
+    warmed, cold = turns
+    assert warmed.answer == cold.answer and cold.timings["reused_tokens"] == 0
+    assert warmed.timings["prompt_tokens"] - warmed.timings["reused_tokens"] <= question_tokens + 1
+
+
 def test_changing_the_window_reencodes(tiny_pipeline):
     calls = tiny_pipeline.encoder_calls
     image = _image(5)

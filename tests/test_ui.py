@@ -392,6 +392,54 @@ def test_oversize_file_reaching_the_handler_is_refused_with_a_message(tmp_path, 
     assert not folder.exists(), "the refused upload is deleted too"
 
 
+def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conversation(
+        ui_pipeline, upload_folder):
+    """What the app runs after a scan is shown (Handlers.warm, chained to upload, window, frame and
+    new conversation): the conversation's prompt up to the question is cached; nothing is cached
+    while an answer runs or for a conversation replaced while it warmed."""
+    import shutil
+
+    from medvqa.ui import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+
+    def upload_session():
+        folder = upload_folder / f"warm{len(list(upload_folder.iterdir()))}"
+        folder.mkdir()
+        path = shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm")
+        *_, session = handlers.upload({"path": str(path)}, None)
+        return session
+
+    session = upload_session()
+    handlers.warm(session)
+    state = ui_pipeline.prefix_cache.get(session.conversation.id)
+    assert state is not None and len(state.ids) > ui_pipeline.vision.num_tokens
+    session.close()
+
+    busy = upload_session()
+    busy.current = object()  # an answer is streaming: it warms its own next turn
+    handlers.warm(busy)
+    assert ui_pipeline.prefix_cache.get(busy.conversation.id) is None
+    busy.current = None
+
+    replaced = upload_session()
+    old = replaced.conversation
+    original = ui_pipeline.warm_next_turn
+
+    def warm_while_the_window_changes(conversation):
+        done = original(conversation)
+        replaced.look_at(replaced.scan)  # the clinician changed the window meanwhile
+        return done
+
+    ui_pipeline.warm_next_turn = warm_while_the_window_changes
+    try:
+        handlers.warm(replaced)
+    finally:
+        del ui_pipeline.warm_next_turn
+    assert ui_pipeline.prefix_cache.get(old.id) is None and replaced.conversation is not old
+    replaced.close()
+
+
 def test_corrupt_dicom_gives_a_message(app_url, tmp_path):
     corrupt = tmp_path / "corrupt.dcm"
     corrupt.write_bytes(Path(dicom_file("CT_small.dcm")).read_bytes()[:20_000])  # cut inside the pixel data
