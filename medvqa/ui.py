@@ -289,7 +289,7 @@ class _Handlers:
             window = scan.window or Window(40, 400, "none")
             center_range, width_max = _slider_ranges(source.default_window or window, window)
             outputs += [
-                gr.Dropdown(value=_preset_value(window), visible=windowed),
+                gr.Dropdown(choices=_PRESET_LABELS, value=_preset_value(window), visible=windowed),
                 gr.Slider(minimum=center_range[0], maximum=center_range[1], value=round(window.center, 3),
                           visible=windowed),
                 gr.Slider(minimum=1, maximum=width_max, value=round(window.width, 3), visible=windowed),
