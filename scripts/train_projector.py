@@ -70,6 +70,9 @@ def main() -> None:
                              "image of the batch, and its right answer must be likelier with its own image")
     parser.add_argument("--contrast-margin", type=float, default=0.5,
                         help="how far (two-way log-probability) the own image must lead before that loss stops")
+    parser.add_argument("--repeat", type=int, nargs="+", default=None, metavar="N",
+                        help="show each --data spec's training examples N times an epoch, one N per spec "
+                             "(e.g. --data vqa-rad:train slake:train --repeat 2 1); held-out questions stay out")
     parser.add_argument("--augment", type=int, default=0,
                         help="augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
@@ -84,6 +87,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    repeat = args.repeat or [1] * len(args.data)
+    if len(repeat) != len(args.data) or min(repeat) < 1:
+        parser.error("--repeat needs one whole number >= 1 for each --data spec")
     if args.image_position is None:
         recorded = read_metadata(args.init).get("image_position") if args.init else None
         args.image_position = str(recorded or "before")
@@ -120,6 +126,9 @@ def main() -> None:
                             image_position=args.image_position)
 
     examples = load_specs(args.data)
+    # Which spec each example came from (load_specs keeps the order), for --repeat.
+    spec_of = ([k for k, spec in enumerate(args.data) for _ in load_specs([spec])] if args.repeat
+               else [0] * len(examples))
     cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
     prefix = shared_prefix_length(builder)
     features_by_image: dict[Path, torch.Tensor] = {}
@@ -152,6 +161,10 @@ def main() -> None:
                              for k, item in enumerate(held_out)]
         leaving = set(left_out)
         train = [item for i, item in enumerate(train) if i not in leaving]
+        spec_of = [spec for i, spec in enumerate(spec_of) if i not in leaving]
+    if args.repeat:
+        train = [item for item, spec in zip(train, spec_of) for _ in range(repeat[spec])]
+        print(f"training examples per epoch with --repeat {' '.join(map(str, repeat))}: {len(train)}")
 
     if args.standardize:
         mean, std = channel_statistics(list(features_by_image.values()), n_tokens)
@@ -251,7 +264,7 @@ def main() -> None:
                       "text": decoder.hidden_size, "normalize_input": args.normalize_input},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
         "held_out_by_image": args.val_by_image,
-        "drop_image": args.drop_image, "augment": args.augment, "seed": args.seed, "init": args.init,
+        "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "image_position": args.image_position,

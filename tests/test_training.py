@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,7 +122,8 @@ def test_image_contrast_loss_compares_each_yes_no_answer_with_another_image(tiny
     torch.manual_seed(0)
     bright, dark = torch.randn(16, tiny_pipeline.vision.hidden_size), torch.randn(16, tiny_pipeline.vision.hidden_size)
     decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
-        tiny_pipeline, tmp_path, [("Is it normal?", "yes", "CLOSED", bright), ("Is there a mass?", "no", "CLOSED", dark),
+        tiny_pipeline, tmp_path, [("Is it normal?", "yes", "CLOSED", bright),
+                                  ("Is there a mass?", "no", "CLOSED", dark),
                                   ("What organ?", "Liver", "OPEN", bright)])
 
     def loss(items, weight, margin=0.5):
@@ -184,24 +186,27 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--augment", "2", "--val", "2",
-         "--val-by-image", "--out", str(tuned)],
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--repeat", "2",
+         "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
     assert card["contrast_weight"] == 0.5 and card["contrast_margin"] == 0.5
+    left_out = int(re.search(r"held out (\d+) questions on", completed.stdout).group(1))
+    assert left_out == 4  # both questions on each of the 2 held-out images
+    assert card["repeat"] == [2] and card["examples"] == 2 * (len(rows) - left_out)  # each shown twice
     assert card["steps"] == 2 and card["augment"] == 2
     assert card["held_out_by_image"] is True and card["held_out"] == 2
     assert card["image_position"] == "after"  # taken from the --init file
-    assert card["examples"] == len(rows) - 4  # both questions on each of the 2 held-out images
 
     # Resuming that run from its checkpoint continues to the new step count.
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--augment", "2", "--val", "2",
-         "--val-by-image", "--out", str(tuned), "--resume"], capture_output=True, text=True, env=env, timeout=600)
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--repeat", "2",
+         "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned), "--resume"],
+        capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resumed at step 2/3" in completed.stdout
     assert json.loads((tuned / "card.json").read_text())["steps"] == 3
