@@ -10,10 +10,10 @@ Two facts make this fast enough for a 2-core CPU:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
