@@ -231,15 +231,15 @@ def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv
     logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
     loss = torch.nn.functional.cross_entropy(logits, targets[predicting])
     rows = [row for row, item in enumerate(batch) if item.yes_no >= 0]
-    if closed_weight and choices is not None and rows:
-        first = predicting.float().argmax(1)  # position predicting each row's first answer token
-        picked = hidden[rows, first[rows]]  # (n_yes_no, d_l)
-        head = decoder.model.lm_head.weight[list(choices)]  # (2, d_l)
-        two_way = (picked @ head.T).float()  # (n_yes_no, 2); the head has no bias in Llama-family models
-        wanted = torch.tensor([batch[row].yes_no for row in rows])
-        loss = loss + closed_weight * torch.nn.functional.cross_entropy(two_way, wanted)
-    if contrast_weight and choices is not None and rows:
-        loss = loss + contrast_weight * image_contrast_loss(decoder, projector, batch, hidden, predicting,
+    if not rows or choices is None or not (closed_weight or contrast_weight):
+        return loss
+    first = predicting.float().argmax(1)  # position predicting each row's first answer token
+    wanted = torch.tensor([batch[row].yes_no for row in rows])
+    own = _two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
+    if closed_weight:
+        loss = loss + closed_weight * -own.mean()  # the two-way cross-entropy
+    if contrast_weight:
+        loss = loss + contrast_weight * image_contrast_loss(decoder, projector, batch, rows, own, first,
                                                             prefix_kv, prefix, n_tokens, choices,
                                                             contrast_margin)
     return loss
@@ -247,14 +247,15 @@ def batch_loss(decoder: Decoder, projector, batch: list[TrainExample], prefix_kv
 
 def _two_way_right(decoder: Decoder, hidden_rows: torch.Tensor, choices: tuple[int, int],
                    wanted: torch.Tensor) -> torch.Tensor:
-    """Log-probability of the right one of the two answer tokens, per row, from (n, d_l) states."""
+    """Log-probability of the right one of the two answer tokens, per row, from (n, d_l) states (the
+    head has no bias in Llama-family models)."""
     head = decoder.model.lm_head.weight[list(choices)]  # (2, d_l)
     two_way = torch.log_softmax((hidden_rows @ head.T).float(), dim=-1)  # (n, 2)
     return two_way.gather(1, wanted.unsqueeze(1)).squeeze(1)
 
 
-def image_contrast_loss(decoder: Decoder, projector, batch: list[TrainExample], hidden: torch.Tensor,
-                        predicting: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
+def image_contrast_loss(decoder: Decoder, projector, batch: list[TrainExample], rows: list[int],
+                        own: torch.Tensor, first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
                         choices: tuple[int, int], margin: float) -> torch.Tensor:
     """Mean hinge max(0, margin - (log p(right | own image) - log p(right | other image))) over the
     batch's yes/no questions, in two-way (Yes/No) log-probabilities at the first answer position.
@@ -262,27 +263,26 @@ def image_contrast_loss(decoder: Decoder, projector, batch: list[TrainExample], 
     The other image is the next example's in the batch (cyclically), skipped where that is the same
     image: the shuffled-image test of the evaluation, turned into a training signal. The other image
     sometimes has the same right answer; the margin keeps that pull small (no gradient once the own
-    image leads by `margin`)."""
-    pairs = []
-    for row, item in enumerate(batch):
-        if item.yes_no < 0:
-            continue
+    image leads by `margin`). `rows` are the yes/no rows, `own` their right answers' two-way
+    log-probabilities with their own image, `first` each row's first answer position."""
+    pairs = []  # (index into rows, partner example)
+    for k, row in enumerate(rows):
+        item = batch[row]
         for step in range(1, len(batch)):
             partner = batch[(row + step) % len(batch)]
             if partner.features is not item.features and not torch.equal(partner.features, item.features):
-                pairs.append((row, partner))
+                pairs.append((k, partner))
                 break
     if not pairs:
-        return hidden.new_zeros(())
-    rows = [row for row, _ in pairs]
-    swapped = [dataclasses.replace(batch[row], features=partner.features, views=()) for row, partner in pairs]
-    other_hidden, other_labels = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
-    first = predicting.float().argmax(1)  # position predicting each row's first answer token
-    other_first = (other_labels[:, 1:] != -100).float().argmax(1)
-    wanted = torch.tensor([batch[row].yes_no for row in rows])
-    own = _two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
-    other = _two_way_right(decoder, other_hidden[torch.arange(len(rows)), other_first], choices, wanted)
-    return torch.relu(margin - (own - other)).mean()
+        return own.new_zeros(())
+    kept = [k for k, _ in pairs]
+    paired_rows = [rows[k] for k in kept]
+    swapped = [dataclasses.replace(batch[rows[k]], features=partner.features, views=()) for k, partner in pairs]
+    other_hidden, _ = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
+    # Same token ids as the original rows, so the first answer sits at the same position.
+    wanted = torch.tensor([batch[row].yes_no for row in paired_rows])
+    other = _two_way_right(decoder, other_hidden[torch.arange(len(kept)), first[paired_rows]], choices, wanted)
+    return torch.relu(margin - (own[kept] - other)).mean()
 
 
 @torch.no_grad()

@@ -103,13 +103,8 @@ def main() -> None:
     for run, image in enumerate(images[:args.runs]):
         conversation = Conversation(image=image, window="lung window (C -600 / W 1500)")
         for turn, question in enumerate([QUESTIONS[run % len(QUESTIONS)], "Is it on the left side?"]):
-            start, ttft, done = time.perf_counter(), None, None
-            for event in pipeline.ask(conversation, question, constrained=False, max_new_tokens=8):
-                if isinstance(event, Token) and ttft is None:
-                    ttft = time.perf_counter() - start
-                elif isinstance(event, Done):
-                    done = event
-            (first_ttft if turn == 0 else next_ttft).append(ttft if ttft is not None else done.timings["total_s"])
+            ttft, done = _time_to_first_token(pipeline, conversation, question)
+            (first_ttft if turn == 0 else next_ttft).append(ttft)
             prompt_lengths.append(done.timings["prompt_tokens"])
         pipeline.end_conversation(conversation)
 
@@ -120,14 +115,7 @@ def main() -> None:
     for run, image in enumerate(images[args.runs:2 * args.runs]):
         conversation = Conversation(image=image, window="lung window (C -600 / W 1500)")
         pipeline.warm_next_turn(conversation)
-        start, ttft = time.perf_counter(), None
-        for event in pipeline.ask(conversation, QUESTIONS[run % len(QUESTIONS)], constrained=False,
-                                  max_new_tokens=8, warm=False):
-            if isinstance(event, Token) and ttft is None:
-                ttft = time.perf_counter() - start
-            elif isinstance(event, Done) and ttft is None:
-                ttft = event.timings["total_s"]
-        warmed_ttft.append(ttft)
+        warmed_ttft.append(_time_to_first_token(pipeline, conversation, QUESTIONS[run % len(QUESTIONS)])[0])
         pipeline.end_conversation(conversation)
 
     hidden = decoder.hidden_size
@@ -213,6 +201,18 @@ def run_llama_bench(binary: str, gguf: str, prompt_tokens: int, new_tokens: int,
     decode = next(test["avg_ts"] for test in tests
                   if test["n_gen"] > 0 and test["n_prompt"] == 0 and test.get("n_depth", 0) == prompt_tokens)
     return {"prefill": round(prefill, 1), "decode": round(decode, 1)}
+
+
+def _time_to_first_token(pipeline: Pipeline, conversation: Conversation, question: str) -> tuple[float, Done]:
+    """Seconds from asking to the first streamed piece (the whole answer's time if none came), and the
+    final event. Iterating past Done warms the next turn, as the app does while the answer is read."""
+    start, ttft, done = time.perf_counter(), None, None
+    for event in pipeline.ask(conversation, question, constrained=False, max_new_tokens=8):
+        if isinstance(event, Token) and ttft is None:
+            ttft = time.perf_counter() - start
+        elif isinstance(event, Done):
+            done = event
+    return (ttft if ttft is not None else done.timings["total_s"]), done
 
 
 def _time_prefill(decoder, ids: list[int], context: list[int] = ()) -> float:
