@@ -274,27 +274,43 @@ class Pipeline:
     def _image_key(digest: str) -> int:
         return -2 - int(digest[:12], 16)  # negative: never a token id
 
-    def warm_next_turn(self, conversation: Conversation) -> int:
+    def warm_next_turn(self, conversation: Conversation, draft: str = "") -> int:
         """Extend the conversation's decoder cache with the part of the next prompt that does not
         depend on the next question (the last answer as the template renders it, end of turn, the
         next user header); returns how many prompt tokens are now cached (0 if nothing was done).
 
         Before the first question it caches the system prompt, the image tokens and the user header:
         the app calls it when a scan is shown, so the first question, too, has only its own words to
-        prefill (the vision encoder has run by then as well)."""
+        prefill (the vision encoder has run by then as well).
+
+        With `draft` (the question as typed so far) it caches the whole prompt for that question but
+        its last token: asked as it stands, the question then has one token left to prefill; edited,
+        the cache is cut back to where the prompts part and only the rest runs. Not when passages go
+        into the prompt: they come before the question and are not known until it is asked."""
         if isinstance(self.decoder, RemoteDecoder):
             return 0  # the server keeps its own cache
         window = self._prompt_window(conversation)
-        # Two prompts that differ only in the question share exactly the question-independent part.
-        first = self.prompts.build("a", conversation.history, (), window)
-        second = self.prompts.build("b", conversation.history, (), window)
-        if first.dropped_turns:
-            return 0  # the next prompt is cut differently anyway
-        length = 0
-        while (length < min(len(first), len(second))
-               and first.token_ids[length] == second.token_ids[length]):
-            length += 1
-        token_ids, image_mask = first.token_ids[:length], first.image_mask[:length]
+        draft = draft.strip()
+        if draft and not self.passages_in_prompt(draft):
+            try:
+                prompt = self.prompts.build(draft, conversation.history, (), window)
+            except ValueError:
+                return 0  # too long to ask: the question will say so
+            if prompt.dropped_turns:
+                return 0
+            length = len(prompt) - 1  # the question's last token runs when it is asked, for the logits
+            token_ids, image_mask = prompt.token_ids[:length], prompt.image_mask[:length]
+        else:
+            # Two prompts that differ only in the question share exactly the question-independent part.
+            first = self.prompts.build("a", conversation.history, (), window)
+            second = self.prompts.build("b", conversation.history, (), window)
+            if first.dropped_turns:
+                return 0  # the next prompt is cut differently anyway
+            length = 0
+            while (length < min(len(first), len(second))
+                   and first.token_ids[length] == second.token_ids[length]):
+                length += 1
+            token_ids, image_mask = first.token_ids[:length], first.image_mask[:length]
         digest = image_digest(conversation.image)
         keyed_ids = self._keyed_ids(digest, token_ids, image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):

@@ -113,9 +113,11 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         # preprocess=False: the handler gets the upload's path and deletes the file itself; gr.File's
         # own preprocessing would leave an (empty) temporary file in the cache for every upload.
         # Gradio still checks that the path lies in its upload folder before the handler runs.
-        # Each change of what the model will see is followed by warming: the image is encoded and the
-        # conversation's prompt up to the question is prefilled while the clinician types.
-        warming = dict(fn=handlers.warm, inputs=[session], outputs=None, api_visibility="private",
+        # Each change of what the model will see, and of the question being typed, is followed by
+        # warming: the image is encoded and the conversation's prompt up to the question (as typed
+        # so far) is prefilled while the clinician types. One warming runs at a time; keystrokes
+        # that arrive meanwhile collapse into the latest text.
+        warming = dict(fn=handlers.warm, inputs=[session, question], outputs=None, api_visibility="private",
                        show_progress="hidden", concurrency_limit=1, concurrency_id="warm", queue=True)
         upload.upload(handlers.upload, [upload, session], [upload, *viewer_outputs], preprocess=False,
                       api_name="upload", concurrency_limit=2, concurrency_id="scan-decode").then(**warming)
@@ -126,6 +128,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
               trigger_mode="always_last").then(**warming)
         frame.release(handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
                       concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
+        question.input(**warming, trigger_mode="always_last")
         answering = gr.on([ask_button.click, question.submit], handlers.ask, [question, session],
                           [chatbot, question], api_name="ask", concurrency_limit=concurrency,
                           concurrency_id="answer", show_progress="hidden")
@@ -307,10 +310,11 @@ class _Handlers:
         messages = _copy(session.messages) if session is not None else ([message] if message else [])
         return (gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), messages, session)
 
-    def warm(self, session: _Session | None) -> None:
+    def warm(self, session: _Session | None, draft: str = "") -> None:
         """Prepare the session's conversation for its next question (see Pipeline.warm_next_turn),
-        in one model turn. Only a speed-up: skipped while an answer runs (it warms the next turn
-        itself), and a failure here is logged, never shown; the question then prefills it all."""
+        in one model turn; with `draft`, the question as typed so far. Only a speed-up: skipped while
+        an answer runs (it warms the next turn itself), and a failure here is logged, never shown;
+        the question then prefills it all."""
         if session is None or not self.settings.decoder.warm_next_turn:
             return
         with session.lock:
@@ -323,7 +327,7 @@ class _Handlers:
                     # A scan, window or conversation replaced meanwhile has its own warming queued.
                     current = session.conversation is conversation and session.current is None
                 if current:
-                    self.pipeline.warm_next_turn(conversation)
+                    self.pipeline.warm_next_turn(conversation, draft or "")
                 with session.lock:
                     ended = session.conversation is not conversation
                 if ended:  # replaced while warming: drop what was cached for it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -18,6 +19,17 @@ def require_shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}; these tests need ../shared/data")
     return SHARED_DATA
+
+
+@contextlib.contextmanager
+def prompt_gate(pipeline, gate: str):
+    """Run with `retrieval.prompt_gate` set to `gate` on a shared pipeline, then put it back."""
+    before = pipeline.settings.retrieval.prompt_gate
+    pipeline.settings.retrieval.prompt_gate = gate
+    try:
+        yield
+    finally:
+        pipeline.settings.retrieval.prompt_gate = before
 
 
 @pytest.fixture(scope="session")

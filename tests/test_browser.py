@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import prompt_gate
 from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_pipeline,  # noqa: F401 - fixtures
                            ui_settings, upload_folder)
 
@@ -78,8 +79,21 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
         time.sleep(0.05)
     assert set(ui_pipeline.prefix_cache.keys()) - cached_before, "the scan was not warmed after the upload"
 
+    # Typing the question key by key prefills its prompt (the question box's input events): with the
+    # offline profile's gate, all of it but the last token is cached before Ask is pressed.
+    (key,) = set(ui_pipeline.prefix_cache.keys()) - cached_before
+    warmed = len(ui_pipeline.prefix_cache.get(key).ids)
+    with prompt_gate(ui_pipeline, "never"):
+        page.locator("#medvqa-question textarea").press_sequentially(QUESTION)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = ui_pipeline.prefix_cache.get(key)
+            if state is not None and len(state.ids) > warmed:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("typing the question did not warm its prompt")
     # Ask, and watch the answer arrive piece by piece.
-    page.fill("#medvqa-question textarea", QUESTION)
     page.click("#medvqa-ask")
     partial: list[str] = []
     deadline = time.time() + 120

@@ -91,6 +91,27 @@ def test_warming_before_the_first_question_keeps_the_answer(pipelines):
     assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"] + llama.vision.num_tokens
 
 
+def test_a_question_prefilled_as_typed_keeps_the_answer_and_leaves_one_token(pipelines):
+    """The app prefills the question as it is typed: asked as typed, the slot already holds all of
+    its prompt but the last token."""
+    llama, _ = pipelines
+    question = "Which side is abnormal?"
+    turns = []
+    for typed in (False, True):
+        conversation = Conversation(image=_image(9))
+        list(llama.ask(conversation, "Describe the image.", constrained=False, max_new_tokens=4, warm=False,
+                       use_retrieval=False))
+        if typed:
+            llama.warm_next_turn(conversation, question)
+        turns.append(list(llama.ask(conversation, question, constrained=False, max_new_tokens=8, warm=False,
+                                    use_retrieval=False))[-1])
+        llama.end_conversation(conversation)
+    cold, typed = turns
+    assert typed.answer == cold.answer
+    assert typed.timings["prompt_tokens"] - typed.timings["reused_tokens"] == 1
+    assert cold.timings["reused_tokens"] < typed.timings["reused_tokens"]
+
+
 def test_ending_a_conversation_drops_its_scan_from_the_slots(pipelines):
     """llama.cpp's slots are shared by content; a conversation that ends takes its image's keys and
     values with it (the shared system prompt stays), unless a one-shot caller keeps them."""

@@ -12,7 +12,7 @@ from medvqa.pipeline import Conversation, Done, Sources, Token
 from medvqa.projector import PREFIX, Projector, ProjectorShapeError, map_llava_med_projector
 from medvqa.prompt import merge_image_features
 
-from .conftest import require_shared_data
+from .conftest import prompt_gate, require_shared_data
 
 
 def _image(seed: int = 0, shape=(48, 40)) -> np.ndarray:
@@ -183,6 +183,38 @@ def test_warming_before_the_first_question_leaves_only_the_question_to_prefill(t
     warmed, cold = turns
     assert warmed.answer == cold.answer and cold.timings["reused_tokens"] == 0
     assert warmed.timings["prompt_tokens"] - warmed.timings["reused_tokens"] <= question_tokens + 1
+
+
+def test_a_question_prefilled_as_typed_leaves_one_token_to_run(tiny_pipeline):
+    """The app prefills the question as it is typed (warm_next_turn with a draft). Asked as typed,
+    one prompt token is left to run; asked after an edit, the cache is cut back to where the two
+    prompts part. The answer is the same either way."""
+    question = "Which side is it on?"
+    turns = []
+    with prompt_gate(tiny_pipeline, "never"):  # as in the offline profile: passages beside the answer
+        for draft in (question, "Which part of it", None):
+            conversation = Conversation(image=_image(13))
+            list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=6, constrained=False,
+                                   warm=False))
+            if draft:
+                assert tiny_pipeline.warm_next_turn(conversation, draft) > tiny_pipeline.vision.num_tokens
+            turns.append(list(tiny_pipeline.ask(conversation, question, max_new_tokens=6, constrained=False,
+                                                warm=False))[-1])
+            tiny_pipeline.end_conversation(conversation)
+    typed, edited, cold = turns
+    assert typed.answer == edited.answer == cold.answer
+    assert typed.timings["prompt_tokens"] - typed.timings["reused_tokens"] == 1
+    assert cold.timings["reused_tokens"] < edited.timings["reused_tokens"] < typed.timings["reused_tokens"]
+
+
+def test_a_draft_is_not_prefilled_when_passages_come_before_it(tiny_pipeline):
+    """With passages in the prompt (retrieval.prompt_gate "always") the question follows passages
+    that are only found once it is asked: only the part before them is warmed."""
+    with prompt_gate(tiny_pipeline, "always"):
+        conversation = Conversation(image=_image(14))
+        without = tiny_pipeline.warm_next_turn(conversation)
+        assert tiny_pipeline.warm_next_turn(conversation, "Which side is it on?") == without
+        tiny_pipeline.end_conversation(conversation)
 
 
 def test_changing_the_window_reencodes(tiny_pipeline):

@@ -24,6 +24,8 @@ from gradio_client import Client, handle_file  # noqa: E402
 
 from medvqa.pipeline import Pipeline, Token  # noqa: E402
 
+from .conftest import prompt_gate  # noqa: E402
+
 PUBMED = "https://pubmed.ncbi.nlm.nih.gov/{}/"
 CORPUS = [
     ("31001001", "Pleural effusion on chest CT", "Computed tomography of the chest shows a moderate right pleural "
@@ -414,6 +416,12 @@ def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conve
     handlers.warm(session)
     state = ui_pipeline.prefix_cache.get(session.conversation.id)
     assert state is not None and len(state.ids) > ui_pipeline.vision.num_tokens
+    # Typing in the question box warms the prompt for the question so far, all but its last token.
+    with prompt_gate(ui_pipeline, "never"):  # the offline profile's: the question follows no passages
+        handlers.warm(session, "Is there an effusion?")
+    typed = ui_pipeline.prefix_cache.get(session.conversation.id)
+    prompt = ui_pipeline.prompts.build("Is there an effusion?", (), (), ui_pipeline._prompt_window(session.conversation))
+    assert len(typed.ids) == len(prompt) - 1 > len(state.ids)
     session.close()
 
     busy = upload_session()
@@ -426,8 +434,8 @@ def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conve
     old = replaced.conversation
     original = ui_pipeline.warm_next_turn
 
-    def warm_while_the_window_changes(conversation):
-        done = original(conversation)
+    def warm_while_the_window_changes(conversation, draft=""):
+        done = original(conversation, draft)
         replaced.look_at(replaced.scan)  # the clinician changed the window meanwhile
         return done
 
