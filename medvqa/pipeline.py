@@ -181,12 +181,17 @@ class Pipeline:
         return Conversation.from_scan(scan)
 
     def end_conversation(self, conversation: Conversation, *, keep_image: bool = False) -> None:
-        """Drop the conversation's decoder cache. With llama.cpp the cache lives in slots shared by
-        content, and the scan's keys/values are dropped from them too unless `keep_image` (a caller
-        asking one question at a time about the same image, as the evaluation does)."""
+        """Drop the conversation's decoder cache and its scan's projected image tokens. With llama.cpp
+        the cache lives in slots shared by content, and the scan's keys/values are dropped from them
+        too. `keep_image` keeps the image tokens and the slots' keys/values (a caller asking one
+        question at a time about the same image, as the evaluation does)."""
         self.prefix_cache.pop(conversation.id)
-        if isinstance(self.decoder, LlamaCppDecoder) and not keep_image and conversation.image is not None:
-            self.decoder.forget(self._image_key(image_digest(conversation.image)))
+        if keep_image or conversation.image is None:
+            return
+        digest = image_digest(conversation.image)
+        self.image_token_cache.pop(digest)
+        if isinstance(self.decoder, LlamaCppDecoder):
+            self.decoder.forget(self._image_key(digest))
 
     # --- retrieval -----------------------------------------------------------------------------
 

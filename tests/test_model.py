@@ -217,6 +217,20 @@ def test_a_draft_is_not_prefilled_when_passages_come_before_it(tiny_pipeline):
         tiny_pipeline.end_conversation(conversation)
 
 
+def test_ending_a_conversation_drops_its_image_tokens(tiny_pipeline):
+    """The scan's projected tokens leave the in-memory cache with its conversation; a one-shot caller
+    (the evaluation, keep_image) keeps them for the next question on the same image."""
+    from medvqa.pipeline import image_digest
+
+    for keep in (True, False):
+        image = _image(15 + keep)
+        conversation = Conversation(image=image)
+        list(tiny_pipeline.ask(conversation, "Describe it.", max_new_tokens=2, constrained=False, warm=False))
+        assert tiny_pipeline.image_token_cache.get(image_digest(image)) is not None
+        tiny_pipeline.end_conversation(conversation, keep_image=keep)
+        assert (tiny_pipeline.image_token_cache.get(image_digest(image)) is not None) == keep
+
+
 def test_changing_the_window_reencodes(tiny_pipeline):
     calls = tiny_pipeline.encoder_calls
     image = _image(5)
