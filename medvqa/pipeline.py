@@ -296,6 +296,8 @@ class Pipeline:
             return 0  # the server keeps its own cache
         window = self._prompt_window(conversation)
         draft = draft.strip()
+        if len(draft) > 8 * self.settings.decoder.context_window:
+            return 0  # far too long to ask (the question will say so): not worth tokenising per keystroke
         if draft and not self.passages_in_prompt(draft):
             try:
                 prompt = self.prompts.build(draft, conversation.history, (), window)
