@@ -73,30 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs the playwright package: pip install playwright (and apt-get install chromium)")
     if not Path(CHROMIUM).is_file():
         raise SystemExit(f"{CHROMIUM} not found: apt-get install chromium")
-    import pydicom.data
-
-    scan = pydicom.data.get_testdata_file("CT_small.dcm", download=False)
     server, url = (None, args.url) if args.url else start_app(args.profile, args.start_timeout)
-    times: dict[str, list[float]] = {"first_typed_s": [], "first_pasted_s": [], "next_typed_s": [],
-                                     "next_pasted_s": []}
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
             try:
-                for run in range(args.runs):
-                    page = browser.new_page(viewport={"width": 1280, "height": 900})
-                    page.set_default_timeout(120_000)
-                    page.goto(url)
-                    page.set_input_files("#medvqa-upload input[type=file]", scan)
-                    page.wait_for_selector("#medvqa-scan")
-                    typed_first = run % 2 == 0
-                    for turn, (question, typed) in enumerate(zip(QUESTIONS, (typed_first, not typed_first))):
-                        time.sleep(READING_S)
-                        seconds = ask(page, question, typed)
-                        key = f"{'first' if turn == 0 else 'next'}_{'typed' if typed else 'pasted'}_s"
-                        times[key].append(seconds)
-                        print(f"run {run + 1}: {key} {seconds:.3f}", file=sys.stderr)
-                    page.close()
+                times = measure(browser, url, args.runs)
             finally:
                 browser.close()
     finally:
@@ -110,6 +92,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def measure(browser, url: str, runs: int) -> dict[str, list[float]]:
+    """Seconds to the first answer text for each run, by turn and by how the question was entered."""
+    import pydicom.data
+
+    scan = pydicom.data.get_testdata_file("CT_small.dcm", download=False)
+    times: dict[str, list[float]] = {"first_typed_s": [], "first_pasted_s": [], "next_typed_s": [],
+                                     "next_pasted_s": []}
+    for run in range(runs):
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        try:
+            page.set_default_timeout(120_000)
+            page.goto(url)
+            page.set_input_files("#medvqa-upload input[type=file]", scan)
+            page.wait_for_selector("#medvqa-scan")
+            typed_first = run % 2 == 0
+            for turn, (question, typed) in enumerate(zip(QUESTIONS, (typed_first, not typed_first))):
+                time.sleep(READING_S)
+                seconds = ask(page, question, typed)
+                key = f"{'first' if turn == 0 else 'next'}_{'typed' if typed else 'pasted'}_s"
+                times[key].append(seconds)
+                print(f"run {run + 1}: {key} {seconds:.3f}", file=sys.stderr)
+        finally:
+            page.close()
+    return times
 
 
 def ask(page, question: str, typed: bool) -> float:
