@@ -420,7 +420,8 @@ def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conve
     with prompt_gate(ui_pipeline, "never"):  # the offline profile's: the question follows no passages
         handlers.warm(session, "Is there an effusion?")
     typed = ui_pipeline.prefix_cache.get(session.conversation.id)
-    prompt = ui_pipeline.prompts.build("Is there an effusion?", (), (), ui_pipeline._prompt_window(session.conversation))
+    window = ui_pipeline._prompt_window(session.conversation)
+    prompt = ui_pipeline.prompts.build("Is there an effusion?", (), (), window)
     assert len(typed.ids) == len(prompt) - 1 > len(state.ids)
     session.close()
 
