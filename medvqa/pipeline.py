@@ -68,6 +68,22 @@ class Conversation:
     history: list[Turn] = field(default_factory=list)
     id: str = field(default_factory=lambda: secrets.token_hex(8))
 
+    def __setattr__(self, name, value) -> None:
+        if name == "image":
+            # Caches are keyed by the image's content: an image is replaced (a window or frame change
+            # assigns a new array), never edited in place, so its hash is computed once per image.
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)
+            self.__dict__.pop("_digest", None)
+        super().__setattr__(name, value)
+
+    @property
+    def digest(self) -> str:
+        """image_digest(self.image), computed once per image assigned (not per turn or keystroke)."""
+        if "_digest" not in self.__dict__:
+            self.__dict__["_digest"] = image_digest(self.image)
+        return self.__dict__["_digest"]
+
     @classmethod
     def from_scan(cls, scan) -> "Conversation":
         describe = getattr(scan, "describe_window", None)
@@ -188,7 +204,7 @@ class Pipeline:
         self.prefix_cache.pop(conversation.id)
         if keep_image or conversation.image is None:
             return
-        digest = image_digest(conversation.image)
+        digest = conversation.digest
         self.image_token_cache.pop(digest)
         if isinstance(self.decoder, LlamaCppDecoder):
             self.decoder.forget(self._image_key(digest))
@@ -318,7 +334,7 @@ class Pipeline:
                    and first.token_ids[length] == second.token_ids[length]):
                 length += 1
             token_ids, image_mask = first.token_ids[:length], first.image_mask[:length]
-        digest = image_digest(conversation.image)
+        digest = conversation.digest
         keyed_ids = self._keyed_ids(digest, token_ids, image_mask)
         if isinstance(self.decoder, LlamaCppDecoder):
             image_tokens = self.image_tokens(conversation.image, digest)[0].float().cpu().numpy()
@@ -332,7 +348,7 @@ class Pipeline:
 
     def _generate_local(self, conversation: Conversation, prompt, candidates: list[str] | None,
                         max_new_tokens: int | None, timings: dict) -> Iterator[str]:
-        digest = image_digest(conversation.image)  # hashed once a turn: cache keys and prefix keys
+        digest = conversation.digest  # cache keys and prefix keys
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             yield self.choose_closed(conversation.image, prompt, candidates, digest)

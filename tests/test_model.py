@@ -426,6 +426,20 @@ def test_prefix_cache_is_not_reused_across_different_pixels(tiny_pipeline):
     assert done.timings["reused_tokens"] <= start  # only the text before the image can be shared
 
 
+def test_conversation_hashes_each_image_once_and_keeps_it_unedited():
+    from medvqa.pipeline import image_digest
+
+    first = _image(13)
+    conversation = Conversation(image=first)
+    assert conversation.digest == image_digest(first)
+    assert conversation.__dict__["_digest"] == conversation.digest  # kept, not hashed again per turn
+    with pytest.raises(ValueError, match="read-only"):
+        first[0, 0, 0] ^= 1  # an in-place edit would leave a stale key: refused
+    second = _image(14)
+    conversation.image = second
+    assert conversation.digest == image_digest(second) != image_digest(first)
+
+
 def test_prompt_gate_controls_whether_the_decoder_reads_the_passages(tiny_pipeline):
     from medvqa.retrieval import Passage
 
