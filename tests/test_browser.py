@@ -7,6 +7,7 @@ Screenshots of each state go to artifacts/browser/ (or $MEDVQA_ARTIFACTS_DIR).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -19,9 +20,18 @@ from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_pipe
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+
+def _bench_browser():
+    """scripts/bench_browser.py as a module: its Chromium settings and its measurement."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_browser.py"
+    spec = importlib.util.spec_from_file_location("bench_browser", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH_BROWSER = _bench_browser()
+CHROMIUM, CHROMIUM_ARGS = BENCH_BROWSER.CHROMIUM, BENCH_BROWSER.CHROMIUM_ARGS
 ARTIFACTS = Path(os.environ.get("MEDVQA_ARTIFACTS_DIR") or Path(__file__).resolve().parents[1] / "artifacts" / "browser")
 LAST_REPLY = "#medvqa-chat [data-testid='bot'] >> nth=-1"
 
@@ -162,14 +172,8 @@ def test_oversize_upload_is_refused_with_a_message(page, tmp_path):
 def test_bench_browser_times_typed_and_pasted_questions(browser, app_url):  # noqa: F811
     """scripts/bench_browser.py's measurement against the test app: both questions of two runs,
     typed and pasted, are answered and timed in the page."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_browser.py"
-    spec = importlib.util.spec_from_file_location("bench_browser", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.READING_S = 0.5
-    times = bench.measure(browser, app_url, runs=2)
+    BENCH_BROWSER.READING_S = 0.5
+    times = BENCH_BROWSER.measure(browser, app_url, runs=2)
     assert set(times) == {"first_typed_s", "first_pasted_s", "next_typed_s", "next_pasted_s"}
     for key, values in times.items():
         assert len(values) == 1 and 0 < values[0] < 60, times
