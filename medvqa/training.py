@@ -160,9 +160,12 @@ def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Te
     return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:], yes_no)
 
 
-def prefix_cache_tensors(decoder: Decoder, builder: PromptBuilder, prefix: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def prefix_cache_tensors(decoder: Decoder, builder: PromptBuilder, prefix: int,
+                         grad: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values of the shared prompt prefix. A frozen decoder's never change (computed once,
+    without gradients); with LoRA adapters (`grad=True`) they are recomputed every step."""
     ids = builder.build("x", answer="x").token_ids[:prefix]
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         out = decoder.model(inputs_embeds=decoder.embed(ids), use_cache=True)
     return [(layer.keys, layer.values) for layer in out.cache.layers]
 
@@ -336,6 +339,58 @@ def channel_statistics(features: list[torch.Tensor], n_tokens: int) -> tuple[tor
     flat = stacked.reshape(-1, stacked.shape[-1]).float()
     # A channel that hardly varies (ReLU-dead in training images) must not be blown up at test time.
     return flat.mean(0), flat.std(0).clamp_min(0.05)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a trained low-rank update (Hu et al., 2021, "LoRA"):
+    y = W x + b + (alpha / rank) B A x. B starts at zero, so training starts from the frozen model."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T * self.scale
+
+    def merged(self) -> torch.nn.Linear:
+        with torch.no_grad():
+            self.base.weight.add_(self.scale * self.lora_b @ self.lora_a)
+        return self.base
+
+
+def add_lora(model: torch.nn.Module, rank: int, alpha: float,
+             targets: tuple[str, ...] = LORA_TARGETS) -> list[torch.nn.Parameter]:
+    """Wrap every linear layer named in `targets` with a LoRA adapter; returns the new parameters
+    (the only ones that train in the decoder)."""
+    wrapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets and isinstance(child, torch.nn.Linear):
+                adapter = LoRALinear(child, rank, alpha)
+                setattr(parent, name, adapter)
+                wrapped += [adapter.lora_a, adapter.lora_b]
+    if not wrapped:
+        raise ValueError(f"no linear layer named {', '.join(targets)} to adapt")
+    return wrapped
+
+
+def merge_lora(model: torch.nn.Module) -> int:
+    """Fold every adapter into its linear layer, leaving a plain model of the original architecture
+    (what the inference engines load). Returns how many layers were merged."""
+    merged = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, child.merged())
+                merged += 1
+    return merged
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:

@@ -30,8 +30,8 @@ from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.projector import read_metadata  # noqa: E402
 from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, augmented, batch_loss, channel_statistics,  # noqa: E402
-                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example,
+from medvqa.training import (FeatureCache, Standardized, add_lora, augmented, batch_loss, channel_statistics,  # noqa: E402
+                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example, merge_lora,
                              prefix_cache_tensors, read_image, shared_prefix_length, training_answer,
                              yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
@@ -81,6 +81,11 @@ def main() -> None:
                              "reads the image with the question in view), or both (question, image, question "
                              "again); recorded in the weights. With --init: the init file's position")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="experimental: also train LoRA adapters of this rank on the decoder's linear layers "
+                             "(0: decoder frozen, as designed); the merged decoder is written to OUT/decoder")
+    parser.add_argument("--lora-alpha", type=float, default=16.0)
+    parser.add_argument("--lora-lr", type=float, default=2e-4, help="peak learning rate of the adapters")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
@@ -143,6 +148,9 @@ def main() -> None:
         train.append(dataclasses.replace(item, views=views_by_image[example.image]))
     blank = cache.features(torch.zeros(64, 64, 3, dtype=torch.uint8).numpy())
     prefix_kv = prefix_cache_tensors(decoder, builder, prefix)
+    adapters = add_lora(decoder.model, args.lora, args.lora_alpha) if args.lora else []
+    if adapters:
+        print(f"LoRA rank {args.lora} on the decoder: {sum(p.numel() for p in adapters):,} trained parameters")
 
     held_out, held_out_shuffled = [], []
     choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
@@ -183,6 +191,9 @@ def main() -> None:
         if not held_out:
             return
         projector.eval()
+        if adapters:
+            with torch.no_grad():
+                prefix_kv[:] = prefix_cache_tensors(decoder, builder, prefix)
         real, yes_share = yes_no_accuracy(decoder, projector, held_out, prefix_kv, prefix, n_tokens, choices)
         shuffled, _ = yes_no_accuracy(decoder, projector, held_out_shuffled, prefix_kv, prefix, n_tokens, choices)
         projector.train()
@@ -195,12 +206,18 @@ def main() -> None:
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     warmup = max(1, int(total_steps * args.warmup))
-    optimizer = torch.optim.AdamW(projector.parameters(), lr=args.lr, weight_decay=0.0)
+    groups = [{"params": list(projector.parameters()), "peak": args.lr}]
+    if adapters:
+        groups.append({"params": adapters, "peak": args.lora_lr})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
+    trained = [p for group in groups for p in group["params"]]
     step, elapsed_before, losses, drop_state = 0, 0.0, [], None
     checkpoint_path = out / "checkpoint.pt"
     if args.resume and checkpoint_path.is_file():
         state = torch.load(checkpoint_path, weights_only=False)
         projector.load_state_dict(state["projector"])
+        if adapters:
+            decoder.model.load_state_dict(state["lora"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed_before, losses = state["step"], state["elapsed"], state["losses"]
         random.setstate(state["python_rng"])
@@ -230,13 +247,15 @@ def main() -> None:
         epoch, within = divmod(step, steps_per_epoch)
         indices = orders[epoch][within * args.batch_size:(within + 1) * args.batch_size]
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total_steps, args.lr, warmup)
+            group["lr"] = lr_at(step, total_steps, group["peak"], warmup)
+        if adapters:  # the adapters change the shared prefix's keys and values too
+            prefix_kv = prefix_cache_tensors(decoder, builder, prefix, grad=True)
         loss = batch_loss(decoder, projector, [train[i] for i in indices], prefix_kv, prefix, n_tokens,
                           blank, args.drop_image, drop_rng, args.closed_weight, choices,
                           args.contrast_weight, args.contrast_margin)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         losses.append(loss.item())
         step += 1
@@ -247,7 +266,8 @@ def main() -> None:
         bar.update(1)
         minutes = (elapsed_before + time.time() - started) / 60
         if step % 100 == 0 or step == total_steps or (args.max_minutes and minutes >= args.max_minutes):
-            torch.save({"projector": projector.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            lora_state = {name: p.detach() for name, p in decoder.model.named_parameters() if "lora_" in name}
+            torch.save({"projector": projector.state_dict(), "lora": lora_state, "optimizer": optimizer.state_dict(), "step": step,
                         "elapsed": elapsed_before + time.time() - started, "losses": losses,
                         "python_rng": random.getstate(), "drop_rng": drop_rng.getstate()}, checkpoint_path)
         if args.max_minutes and minutes >= args.max_minutes and step < total_steps:
@@ -267,7 +287,8 @@ def main() -> None:
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
-        "contrast_margin": args.contrast_margin, "image_position": args.image_position,
+        "contrast_margin": args.contrast_margin, "lora": args.lora,
+        "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None, "image_position": args.image_position,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),
@@ -275,6 +296,16 @@ def main() -> None:
     final = projector.folded() if args.standardize else projector
     final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step,
                                                                 "image_position": args.image_position})
+    if adapters:
+        merge_lora(decoder.model)
+        # A fresh model around contiguous copies: the loaded one's weights may be views into the fast
+        # decode path's fused tensors, which save_pretrained refuses.
+        plain = type(decoder.model)(decoder.model.config)
+        plain.load_state_dict({name: t.contiguous().clone() for name, t in decoder.model.state_dict().items()})
+        plain.save_pretrained(out / "decoder")
+        decoder.tokenizer.save_pretrained(out / "decoder")
+        print(f"decoder with merged adapters written to {out / 'decoder'} "
+              f"(use it with MEDVQA_DECODER__NAME_OR_PATH and the transformers engine)")
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))
 

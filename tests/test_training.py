@@ -17,8 +17,9 @@ from PIL import Image
 from medvqa.datasets import VQAExample
 from medvqa.projector import Projector, read_metadata
 from medvqa.prompt import PromptBuilder
-from medvqa.training import (Standardized, augmented, batch_loss, channel_statistics, make_example,
-                             prefix_cache_tensors, shared_prefix_length, training_answer)
+from medvqa.training import (LoRALinear, Standardized, add_lora, augmented, batch_loss, channel_statistics,
+                             make_example, merge_lora, prefix_cache_tensors, shared_prefix_length,
+                             training_answer)
 
 from .conftest import REPO
 
@@ -35,6 +36,37 @@ def test_standardisation_folds_into_the_first_layer(tmp_path):
     folded.save(tmp_path / "p.safetensors")  # a plain projector: same keys and shapes as any other
     reloaded = Projector(20, 12, 16).load(tmp_path / "p.safetensors")
     assert torch.allclose(reloaded(batch), wrapped(batch), atol=1e-5)
+
+
+def test_lora_adapters_start_as_the_frozen_model_and_merge_exactly(tiny_pipeline, tiny_settings):
+    from transformers import AutoModelForCausalLM
+
+    # A fresh copy of the tiny decoder (the shared pipeline's one must stay unadapted).
+    model = AutoModelForCausalLM.from_pretrained(tiny_settings.decoder.name_or_path, dtype=torch.float32)
+    model.requires_grad_(False)
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    names = {name for name, _ in model.named_parameters()}
+    adapters = add_lora(model, rank=2, alpha=4.0)
+    assert adapters and all(p.requires_grad for p in adapters)
+    assert sum(isinstance(m, LoRALinear) for m in model.modules()) == len(adapters) // 2
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, before)  # B starts at zero
+        for adapter in adapters[1::2]:
+            adapter.normal_(std=0.5)
+        adapted = model(input_ids=ids).logits
+    assert not torch.allclose(adapted, before, atol=1e-4)
+    # Gradients reach the adapters only.
+    model(input_ids=ids).logits.sum().backward()
+    assert all(p.grad is not None for p in adapters)
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+    assert merge_lora(model) == len(adapters) // 2
+    assert {name for name, _ in model.named_parameters()} == names  # the original architecture again
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, adapted, atol=1e-4)
+    with pytest.raises(ValueError, match="no linear layer"):
+        add_lora(torch.nn.Sequential(torch.nn.ReLU()), rank=2, alpha=4.0)
 
 
 def test_augmented_copies_are_fixed_per_index_and_keep_the_image_shape():
@@ -210,3 +242,22 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resumed at step 2/3" in completed.stdout
     assert json.loads((tuned / "card.json").read_text())["steps"] == 3
+
+    # With LoRA adapters on the decoder (experimental), the merged decoder is written beside the projector.
+    adapted = tmp_path / "lora"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--lora", "2",
+         "--lora-lr", "0.05", "--val", "2", "--out", str(adapted)],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    card = json.loads((adapted / "card.json").read_text())
+    assert card["lora"] == 2 and card["steps"] == 2
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_settings.decoder.name_or_path, dtype=torch.float32)
+    tuned_decoder = AutoModelForCausalLM.from_pretrained(adapted / "decoder", dtype=torch.float32)
+    base_weights, tuned_weights = base.state_dict(), tuned_decoder.state_dict()
+    assert base_weights.keys() == tuned_weights.keys()  # a plain model: the adapters are merged
+    changed = [name for name in base_weights if not torch.equal(base_weights[name], tuned_weights[name])]
+    assert changed and all(re.search(r"(q|k|v|o|gate|up|down)_proj", name) for name in changed)
