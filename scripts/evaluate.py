@@ -27,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,  # noqa: E402
                             open_recall)
-from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.config import PROFILES, load_settings, resolve_path  # noqa: E402
 from medvqa.datasets import VQAExample, load_examples  # noqa: E402
 from medvqa.pipeline import Pipeline, engine_label  # noqa: E402
 from medvqa.training import read_image  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the contrast).
     closed = f"{CLOSED_DECODING}c{settings.decoder.closed_contrast:g}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
-                f"{closed}-{projector_id}.jsonl")
+                f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
     results_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -210,6 +210,16 @@ def _file_digest(path: str) -> str:
     if path and Path(path).is_file():
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
     return "untrained"
+
+
+def _decoder_digest(name_or_path: str) -> str:
+    """Content key of the decoder's weights (a GGUF file, or a folder's model.safetensors), so a run
+    with another decoder (e.g. train_projector.py --lora) never resumes from this one's answers."""
+    path = Path(resolve_path(name_or_path))
+    weights = path / "model.safetensors" if path.is_dir() else path
+    if weights.is_file():
+        return _file_digest(str(weights))
+    return hashlib.sha256(name_or_path.encode()).hexdigest()[:10]  # a hub id
 
 
 def _print_table(summary: dict) -> None:

@@ -51,3 +51,20 @@ def test_results_are_named_by_the_weights_llama_cpp_runs():
     assert engine_label(settings) == "llama.cpp-Q8_0"
     settings.decoder.engine = "transformers"  # the weight type is llama.cpp's alone
     assert engine_label(settings) == "transformers"
+
+
+def test_results_are_named_by_the_decoders_weights(tmp_path):
+    """A decoder trained with --lora, or another GGUF, must not resume from the shipped one's answers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate", REPO / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, content in ((first, b"weights one"), (second, b"weights two")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(content)
+    (tmp_path / "c.gguf").write_bytes(b"weights one")
+    keys = [evaluate._decoder_digest(str(path)) for path in (first, second, tmp_path / "c.gguf")]
+    assert keys[0] != keys[1] and keys[0] == keys[2]  # by content, folder or file
+    assert evaluate._decoder_digest("org/model") != evaluate._decoder_digest("org/other")  # hub ids by name
