@@ -217,7 +217,11 @@ def main() -> None:
         state = torch.load(checkpoint_path, weights_only=False)
         projector.load_state_dict(state["projector"])
         if adapters:
-            decoder.model.load_state_dict(state["lora"], strict=False)
+            saved = state.get("lora") or {}
+            unexpected = decoder.model.load_state_dict(saved, strict=False).unexpected_keys
+            if unexpected or len(saved) != len(adapters):
+                raise SystemExit(f"{checkpoint_path} holds no adapters of this shape; resume with the "
+                                 f"--lora settings it was trained with")
         optimizer.load_state_dict(state["optimizer"])
         step, elapsed_before, losses = state["step"], state["elapsed"], state["losses"]
         random.setstate(state["python_rng"])

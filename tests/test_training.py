@@ -261,3 +261,11 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert base_weights.keys() == tuned_weights.keys()  # a plain model: the adapters are merged
     changed = [name for name in base_weights if not torch.equal(base_weights[name], tuned_weights[name])]
     assert changed and all(re.search(r"(q|k|v|o|gate|up|down)_proj", name) for name in changed)
+
+    # Resuming a run without adapters as a LoRA run is refused, not silently started from zero adapters.
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--lora", "2",
+         "--out", str(tuned), "--resume"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode != 0 and "holds no adapters" in completed.stderr
