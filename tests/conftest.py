@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -19,6 +20,14 @@ def require_shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}; these tests need ../shared/data")
     return SHARED_DATA
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package), for testing its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager

@@ -7,30 +7,19 @@ Screenshots of each state go to artifacts/browser/ (or $MEDVQA_ARTIFACTS_DIR).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import prompt_gate
+from tests.conftest import load_script, prompt_gate
 from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_pipeline,  # noqa: F401 - fixtures
                            ui_settings, upload_folder)
 
 pytestmark = pytest.mark.browser
 
-
-def _bench_browser():
-    """scripts/bench_browser.py as a module: its Chromium settings and its measurement."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_browser.py"
-    spec = importlib.util.spec_from_file_location("bench_browser", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH_BROWSER = _bench_browser()
+BENCH_BROWSER = load_script("bench_browser")  # its Chromium settings and its measurement
 CHROMIUM, CHROMIUM_ARGS = BENCH_BROWSER.CHROMIUM, BENCH_BROWSER.CHROMIUM_ARGS
 ARTIFACTS = Path(os.environ.get("MEDVQA_ARTIFACTS_DIR") or Path(__file__).resolve().parents[1] / "artifacts" / "browser")
 LAST_REPLY = "#medvqa-chat [data-testid='bot'] >> nth=-1"

@@ -55,11 +55,9 @@ def test_results_are_named_by_the_weights_llama_cpp_runs():
 
 def test_results_are_named_by_the_decoders_weights(tmp_path):
     """A decoder trained with --lora, or another GGUF, must not resume from the shipped one's answers."""
-    import importlib.util
+    from .conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("evaluate", REPO / "scripts" / "evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    evaluate = load_script("evaluate")
     first, second = tmp_path / "a", tmp_path / "b"
     for folder, content in ((first, b"weights one"), (second, b"weights two")):
         folder.mkdir()

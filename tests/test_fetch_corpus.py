@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,10 +13,9 @@ import pytest
 
 from medvqa.retrieval.corpus import read_passages
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_corpus.py"
-spec = importlib.util.spec_from_file_location("fetch_corpus", SCRIPT)
-fetch_corpus = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fetch_corpus)
+from .conftest import load_script
+
+fetch_corpus = load_script("fetch_corpus")
 
 PQAL = {
     "21645374": {"QUESTION": "Do mitochondria play a role in remodelling lace plant leaves?",

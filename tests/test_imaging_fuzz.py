@@ -4,7 +4,6 @@ runs the same mutations at any scale, in a child process that also catches hangs
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -14,10 +13,9 @@ from hypothesis import strategies as st
 
 from medvqa.imaging import ScanError, open_scan
 
-_spec = importlib.util.spec_from_file_location(
-    "fuzz_imaging", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_imaging.py")
-fuzz_imaging = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz_imaging)
+from .conftest import load_script
+
+fuzz_imaging = load_script("fuzz_imaging")
 
 SEEDS = fuzz_imaging.seed_corpus()
 
