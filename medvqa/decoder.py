@@ -65,18 +65,9 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
-    # The GGUF load leaves a quantisation marker that blocks saving; rebuild a plain model around
-    # the de-quantised weights.
-    config = quantized.config
-    config.quantization_config = None
-    if hasattr(config, "__dict__"):
-        config.__dict__.pop("quantization_config", None)
-    plain = type(quantized)(config)
-    plain.load_state_dict(quantized.state_dict())
     # Write beside the target and rename, so an interrupted conversion is never mistaken for a done one.
     partial = target.with_name(target.name + ".partial")
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    save_plain_copy(quantized, tokenizer, partial)
     if target.exists():
         import shutil
 
@@ -84,6 +75,21 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
     partial.rename(target)
     print(f"Decoder converted to {target}", flush=True)
     return target
+
+
+def save_plain_copy(model, tokenizer, folder: str | Path) -> None:
+    """Save a model as a plain transformers folder: a fresh model of its class around contiguous copies
+    of its weights. save_pretrained refuses the loaded ones as they are: a GGUF load leaves a
+    quantisation marker, and the CPU fast decode path (fast_decode.py) makes weights views of its
+    fused tensors."""
+    config = model.config
+    config.quantization_config = None
+    if hasattr(config, "__dict__"):
+        config.__dict__.pop("quantization_config", None)
+    plain = type(model)(config)
+    plain.load_state_dict({name: tensor.contiguous().clone() for name, tensor in model.state_dict().items()})
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def resolve_decoder_folder(config: DecoderConfig, cache_dir: str | Path) -> str:

@@ -25,13 +25,14 @@ from tqdm import tqdm  # noqa: E402
 
 from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.datasets import load_specs  # noqa: E402
-from medvqa.decoder import Decoder, hub_offline_env  # noqa: E402
+from medvqa.decoder import Decoder, hub_offline_env, save_plain_copy  # noqa: E402
 from medvqa.device import pick_device  # noqa: E402
 from medvqa.pipeline import build_projector  # noqa: E402
 from medvqa.projector import read_metadata  # noqa: E402
 from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, add_lora, augmented, batch_loss, channel_statistics,  # noqa: E402
-                             encoder_key, held_out_images, held_out_yes_no, lr_at, make_example, merge_lora,
+from medvqa.training import (FeatureCache, Standardized, add_lora, augmented, batch_loss,  # noqa: E402
+                             channel_statistics, encoder_key, held_out_images, held_out_yes_no, lr_at,
+                             make_example, merge_lora,
                              prefix_cache_tensors, read_image, shared_prefix_length, training_answer,
                              yes_no_accuracy)
 from medvqa.vision import build_vision, pool_tokens  # noqa: E402
@@ -271,7 +272,8 @@ def main() -> None:
         minutes = (elapsed_before + time.time() - started) / 60
         if step % 100 == 0 or step == total_steps or (args.max_minutes and minutes >= args.max_minutes):
             lora_state = {name: p.detach() for name, p in decoder.model.named_parameters() if "lora_" in name}
-            torch.save({"projector": projector.state_dict(), "lora": lora_state, "optimizer": optimizer.state_dict(), "step": step,
+            torch.save({"projector": projector.state_dict(), "lora": lora_state,
+                        "optimizer": optimizer.state_dict(), "step": step,
                         "elapsed": elapsed_before + time.time() - started, "losses": losses,
                         "python_rng": random.getstate(), "drop_rng": drop_rng.getstate()}, checkpoint_path)
         if args.max_minutes and minutes >= args.max_minutes and step < total_steps:
@@ -292,7 +294,8 @@ def main() -> None:
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "lora": args.lora,
-        "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None, "image_position": args.image_position,
+        "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None,
+        "image_position": args.image_position,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),
@@ -302,12 +305,7 @@ def main() -> None:
                                                                 "image_position": args.image_position})
     if adapters:
         merge_lora(decoder.model)
-        # A fresh model around contiguous copies: the loaded one's weights may be views into the fast
-        # decode path's fused tensors, which save_pretrained refuses.
-        plain = type(decoder.model)(decoder.model.config)
-        plain.load_state_dict({name: t.contiguous().clone() for name, t in decoder.model.state_dict().items()})
-        plain.save_pretrained(out / "decoder")
-        decoder.tokenizer.save_pretrained(out / "decoder")
+        save_plain_copy(decoder.model, decoder.tokenizer, out / "decoder")
         print(f"decoder with merged adapters written to {out / 'decoder'} "
               f"(use it with MEDVQA_DECODER__NAME_OR_PATH and the transformers engine)")
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
