@@ -154,17 +154,20 @@ def main() -> None:
     for condition in CONDITIONS[1:]:
         if condition in args.conditions:
             summary[condition] = score(rows, condition)
-    closed_rows = [r for r in rows if r["answer_type"] == "CLOSED" and "retrieval_free" in r]
-    if closed_rows:
+    closed_rows = [r for r in rows if r["answer_type"] == "CLOSED"]
+    free = bool(closed_rows) and all("retrieval_free" in r for r in closed_rows)  # only run with retrieval
+    if free:
         summary["closed_accuracy_free_generation"] = score(closed_rows, "retrieval_free")["closed_accuracy"]
-        # Constrained vs free by what the question offers: yes/no, or options it names ("left or right").
+    if closed_rows:
+        # By what the question offers: yes/no, or options it names ("left or right"); constrained vs free.
         summary["closed_by_kind"] = {}
         for kind in ("yes_no", "options"):
             kind_rows = [r for r in closed_rows if _closed_kind(r["question"]) == kind]
             if kind_rows:
                 entry = summary["closed_by_kind"][kind] = {
-                    "n": len(kind_rows), "constrained": score(kind_rows, main_condition)["closed_accuracy"],
-                    "free": score(kind_rows, "retrieval_free")["closed_accuracy"]}
+                    "n": len(kind_rows), "constrained": score(kind_rows, main_condition)["closed_accuracy"]}
+                if free:
+                    entry["free"] = score(kind_rows, "retrieval_free")["closed_accuracy"]
                 if all("shuffled_image" in r for r in kind_rows):
                     entry["shuffled_image"] = score(kind_rows, "shuffled_image")["closed_accuracy"]
                 if kind == "yes_no":  # does the model lean to one answer?

@@ -35,6 +35,10 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     for key in ("shuffled_image", "blank_image"):
         assert set(summary[key]) == {"closed_accuracy", "open_recall", "open_exact"}
     assert 0.0 <= summary["closed_accuracy"] <= 1.0
+    # Without the retrieval condition there are no free answers, but the kinds are still reported.
+    yes_no = summary["closed_by_kind"]["yes_no"]
+    assert yes_no["n"] == 3 and "free" not in yes_no and "closed_accuracy_free_generation" not in summary
+    assert 0.0 < yes_no["reference_yes"] < 1.0 and 0.0 <= yes_no["answered_yes"] <= 1.0  # both answers occur
     # A second run resumes from the per-question file instead of answering again.
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
