@@ -1,0 +1,93 @@
+"""De-identification by allowlist: the only DICOM attributes that travel with a scan.
+
+Rather than removing known identifying tags (a list that can never be complete: private tags,
+free text typed by staff), the scan keeps a short list of coded and numeric attributes, each
+checked for form, and drops everything else. A value that does not fit, or that pydicom cannot
+even convert, is left out rather than refusing the scan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydicom.dataset import Dataset
+from pydicom.multival import MultiValue
+from pydicom.uid import UID
+
+from .frames import _PixelHeader
+from .guard import _INTERRUPTS
+from .windowing import _format_number
+
+
+# Attributes a scan may carry past this package: coded values (checked against the CS character
+# set, so no free text slips through) and numbers. None of them is in the PS3.15 Annex E Basic
+# Profile. Left out on purpose: every name, ID, date, time, age, UID, institution, station or
+# device identifier, and all free text (StudyDescription, SeriesDescription, ImageComments,
+# ProtocolName, even Manufacturer), since sites type patient names into free-text fields.
+_SAFE_CODED = (
+    "Modality", "BodyPartExamined", "ImageType", "PatientPosition", "ViewPosition", "Laterality",
+    "ImageLaterality", "PhotometricInterpretation", "RescaleType", "MRAcquisitionType",
+    "ScanningSequence", "SequenceVariant", "BurnedInAnnotation", "LossyImageCompression",
+)
+_SAFE_NUMERIC = (
+    "Rows", "Columns", "NumberOfFrames", "SamplesPerPixel", "BitsAllocated", "BitsStored",
+    "PixelRepresentation", "PixelSpacing", "ImagerPixelSpacing", "SliceThickness",
+    "SpacingBetweenSlices", "RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth",
+    "KVP", "MagneticFieldStrength", "EchoTime", "RepetitionTime", "InversionTime", "FlipAngle",
+)
+_CODE_STRING = re.compile(r"[A-Z0-9 _]{0,16}")
+
+# Transfer syntaxes newer than pydicom's UID dictionary, named for the error message (dicom.py)
+# and for the scan's TransferSyntax entry.
+_TRANSFER_SYNTAX_NAMES = {
+    "1.2.840.10008.1.2.4.110": "JPEG-XL",
+    "1.2.840.10008.1.2.4.111": "JPEG-XL",
+    "1.2.840.10008.1.2.4.112": "JPEG-XL",
+}
+
+
+def _dicom_safe_meta(ds: Dataset, header: _PixelHeader) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    for keyword in (*_SAFE_CODED, *_SAFE_NUMERIC):
+        value = _value_or_none(ds, keyword)
+        text = _safe_code(value) if keyword in _SAFE_CODED else _safe_number(value)
+        if text:
+            meta[keyword] = text
+    sop = str(_value_or_none(ds, "SOPClassUID") or "")
+    if _is_known_uid(sop):
+        meta["SOPClass"] = UID(sop).name
+    meta["TransferSyntax"] = _TRANSFER_SYNTAX_NAMES.get(header.transfer_syntax) or header.transfer_syntax.name
+    return meta
+
+
+def _value_or_none(ds: Dataset, keyword: str) -> Any:
+    """An optional attribute's value; a malformed one is left out rather than refusing the scan."""
+    try:
+        return ds.get(keyword)
+    except _INTERRUPTS:
+        raise
+    except BaseException:  # noqa: BLE001 - pydicom may raise anything converting a hostile value
+        return None
+
+
+def _safe_code(value: Any) -> str | None:
+    values = list(value) if isinstance(value, (list, tuple, MultiValue)) else [value]
+    if not values or not all(isinstance(v, str) and _CODE_STRING.fullmatch(v.strip()) for v in values):
+        return None
+    return "\\".join(v.strip() for v in values) or None
+
+
+def _safe_number(value: Any) -> str | None:
+    values = list(value) if isinstance(value, (list, tuple, MultiValue)) else [value]
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                             for v in values):
+        return None
+    return "\\".join(_format_number(v) for v in values)
+
+
+def _is_known_uid(uid: str) -> bool:
+    # UID.name falls back to the UID itself when pydicom's dictionary does not know it; unknown
+    # UIDs are never echoed, since private UIDs can embed dates or accession numbers.
+    return bool(uid) and UID(uid).name != uid

@@ -1,0 +1,230 @@
+"""Opening a DICOM upload: everything refused that cannot be shown safely, before decoding.
+
+pydicom 3 reads the upload without `force` (a file that is not Part 10 DICOM is refused). A
+deflated dataset is inflated here first under a cap; a file that is not an image, has a damaged
+pixel header, is too large or uses an encoding no crash-safe plugin decodes is refused with a
+message of its own. Then only the pixel, LUT and palette attributes are copied out, the allowlisted
+metadata is taken (deid.py), and the parsed upload, identifying tags and all, is dropped.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import zlib
+from typing import Any
+
+from pydicom import dcmread
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.filereader import _read_file_meta_info, read_preamble
+from pydicom.pixels import get_decoder
+from pydicom.uid import UID, DeflatedExplicitVRLittleEndian
+
+from .deid import _TRANSFER_SYNTAX_NAMES, _dicom_safe_meta, _is_known_uid, _value_or_none
+from .frames import _MONOCHROME, _DicomFrames, _PixelHeader, _safe_plugins
+from .guard import _DAMAGED_DICOM, ScanError, _guarded
+from .scan import ScanLimits, ScanSource, _too_large_message
+
+
+_PIXEL_DATA_KEYWORDS = ("PixelData", "FloatPixelData", "DoubleFloatPixelData")
+
+# What rendering needs, and all that is copied out of the upload: the Image Pixel module, the
+# Modality LUT and VOI LUT modules and the palette. LUT sequences are rebuilt item by item so
+# that their free-text explanations stay behind.
+_PIXEL_KEYWORDS = (
+    "SamplesPerPixel", "PhotometricInterpretation", "PlanarConfiguration", "NumberOfFrames",
+    "Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit", "PixelRepresentation",
+    "RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth", "VOILUTFunction",
+    "RedPaletteColorLookupTableDescriptor", "GreenPaletteColorLookupTableDescriptor",
+    "BluePaletteColorLookupTableDescriptor", "RedPaletteColorLookupTableData",
+    "GreenPaletteColorLookupTableData", "BluePaletteColorLookupTableData",
+    "SegmentedRedPaletteColorLookupTableData", "SegmentedGreenPaletteColorLookupTableData",
+    "SegmentedBluePaletteColorLookupTableData",
+    "ExtendedOffsetTable", "ExtendedOffsetTableLengths", *_PIXEL_DATA_KEYWORDS,
+)
+_LUT_SEQUENCES = ("ModalityLUTSequence", "VOILUTSequence")
+
+_SUPPORTED_PHOTOMETRIC = (*_MONOCHROME, "PALETTE COLOR", "RGB", "YBR_FULL", "YBR_FULL_422",
+                          "YBR_RCT", "YBR_ICT")
+_UNSUPPORTED_PHOTOMETRIC = ("YBR_PARTIAL_420", "YBR_PARTIAL_422", "ARGB", "CMYK", "HSV")
+
+
+def _open_dicom(raw: bytes, limits: ScanLimits) -> ScanSource:
+    _refuse_deflate_bomb(raw, limits)
+    # No `force`: a file without the DICOM preamble and file meta is refused, not guessed at.
+    ds = _guarded(_DAMAGED_DICOM, dcmread, io.BytesIO(raw))
+    if not (getattr(ds, "file_meta", None) or {}).get("TransferSyntaxUID"):
+        raise ScanError("This DICOM file is damaged or incomplete: its header does not say how it is encoded.")
+    _refuse_non_image(ds)
+    header = _guarded(_DAMAGED_DICOM, _read_pixel_header, ds)
+    _check_dicom_limits(header, limits)
+    _check_decodable(header)
+    frames = _DicomFrames(
+        pixel_ds=_guarded(_DAMAGED_DICOM, _copy_pixel_dataset, ds, header),
+        header=header,
+        per_frame=_guarded(_DAMAGED_DICOM, _functional_group_values, ds, header.frames),
+    )
+    safe_meta = _dicom_safe_meta(ds, header)
+    del ds  # the parsed upload, identifying tags and all, is dropped here
+    return ScanSource(source_format="dicom", frame_count=header.frames, safe_meta=safe_meta,
+                      load_frame=frames.load)
+
+
+def _refuse_deflate_bomb(raw: bytes, limits: ScanLimits) -> None:
+    """pydicom inflates a Deflated transfer syntax dataset in one unbounded zlib call; inflate it
+    here first with a cap, so a small file cannot expand into gigabytes."""
+    fp = io.BytesIO(raw)
+    meta = _guarded(_DAMAGED_DICOM, _read_file_meta, fp)  # pydicom's reader, private but stable in 3.x
+    if meta.get("TransferSyntaxUID") != DeflatedExplicitVRLittleEndian:
+        return
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    compressed = memoryview(raw)[fp.tell():]
+    inflated = 0
+    for start in range(0, len(compressed), 2**20):
+        # max_length stops the output one byte past the limit, however well the chunk compresses.
+        chunk = compressed[start:start + 2**20]
+        inflated += len(_guarded(_DAMAGED_DICOM, inflater.decompress, chunk, limits.max_bytes + 1 - inflated))
+        if inflated > limits.max_bytes:
+            raise ScanError(f"This DICOM file expands to more than the {limits.max_bytes / 2**20:.0f} MB "
+                            "limit when decompressed.")
+
+
+def _read_file_meta(fp: io.BytesIO) -> FileMetaDataset:
+    read_preamble(fp, False)
+    return _read_file_meta_info(fp)
+
+
+def _refuse_non_image(ds: Dataset) -> None:
+    if any(keyword in ds for keyword in _PIXEL_DATA_KEYWORDS):
+        return
+    sop = str(_value_or_none(ds, "SOPClassUID") or _value_or_none(ds.file_meta, "MediaStorageSOPClassUID") or "")
+    if sop == "1.2.840.10008.1.3.10" or "DirectoryRecordSequence" in ds:
+        raise ScanError("This file is a DICOMDIR (the index of a DICOM disc) and holds no image. "
+                        "Please upload one of the image files it lists.")
+    if sop == "1.2.840.10008.5.1.4.1.1.88.59":
+        what = "a Key Object Selection document"
+    elif sop.startswith("1.2.840.10008.5.1.4.1.1.88."):
+        what = "a Structured Report"
+    elif sop.startswith("1.2.840.10008.5.1.4.1.1.104."):
+        what = "an encapsulated document (such as a PDF report)"
+    elif sop.startswith("1.2.840.10008.5.1.4.1.1.11."):
+        what = "a Presentation State (display settings for other images)"
+    elif sop.startswith("1.2.840.10008.5.1.4.1.1.9."):
+        what = "a waveform recording (such as an ECG)"
+    elif sop.startswith("1.2.840.10008.5.1.4.1.1.481."):
+        what = "a radiotherapy object"
+    elif _is_known_uid(sop):
+        what = f"a '{UID(sop).name}' object"
+    else:
+        raise ScanError("This DICOM file holds no image (it has no pixel data).")
+    raise ScanError(f"This DICOM file is {what} and holds no image.")
+
+
+def _read_pixel_header(ds: Dataset) -> _PixelHeader:
+    transfer_syntax = ds.file_meta.TransferSyntaxUID
+    bits_allocated = _header_int(ds, "BitsAllocated")
+    frames = _header_int(ds, "NumberOfFrames", default=1, minimum=0) or 1  # 0 means 1, as in pydicom
+    photometric = ds.get("PhotometricInterpretation")
+    if not isinstance(photometric, str):
+        raise ScanError(_DAMAGED_DICOM)
+    photometric = photometric.strip().upper()
+    if photometric not in _SUPPORTED_PHOTOMETRIC:
+        # Only defined terms are echoed back; anything else in the field stays unquoted.
+        what = f"the {photometric}" if photometric in _UNSUPPORTED_PHOTOMETRIC else "an unknown"
+        raise ScanError(f"This DICOM file uses {what} colour encoding, which is not supported.")
+    return _PixelHeader(
+        rows=_header_int(ds, "Rows"),
+        columns=_header_int(ds, "Columns"),
+        frames=frames,
+        samples=_header_int(ds, "SamplesPerPixel", default=1),
+        bits_allocated=bits_allocated,
+        bits_stored=_header_int(ds, "BitsStored", default=bits_allocated),
+        pixel_representation=_header_int(ds, "PixelRepresentation", default=0, minimum=0),
+        photometric=photometric,
+        transfer_syntax=UID(str(transfer_syntax)),
+    )
+
+
+def _header_int(ds: Dataset, keyword: str, default: int | None = None, minimum: int = 1) -> int:
+    value = ds.get(keyword)
+    if value is None or value == "":
+        if default is None:
+            raise ScanError(_DAMAGED_DICOM)
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ScanError(_DAMAGED_DICOM)
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise ScanError(_DAMAGED_DICOM)
+    return number
+
+
+def _check_dicom_limits(header: _PixelHeader, limits: ScanLimits) -> None:
+    if header.samples not in (1, 3) or header.bits_allocated not in (1, 8, 16, 32, 64):
+        raise ScanError(_DAMAGED_DICOM)
+    if not 1 <= header.bits_stored <= header.bits_allocated:
+        raise ScanError(_DAMAGED_DICOM)
+    frame_pixels = header.rows * header.columns
+    total_pixels = frame_pixels * header.frames
+    decoded_bytes = total_pixels * header.samples * math.ceil(header.bits_allocated / 8)
+    if (header.frames > limits.max_frames or frame_pixels > limits.max_frame_pixels
+            or total_pixels > limits.max_pixels or decoded_bytes > limits.max_decoded_bytes):
+        raise ScanError(_too_large_message(header.rows, header.columns, header.frames, limits))
+
+
+def _check_decodable(header: _PixelHeader) -> None:
+    syntax = header.transfer_syntax
+    name = _TRANSFER_SYNTAX_NAMES.get(syntax) or (syntax.name if _is_known_uid(syntax) else None)
+    if name is None:
+        raise ScanError("This DICOM file uses an unrecognised encoding (transfer syntax) and cannot be shown.")
+    try:
+        decoder = get_decoder(syntax)
+    except NotImplementedError:
+        decoder = None
+    if decoder is None or (syntax.is_compressed and not _safe_plugins(syntax)):
+        raise ScanError(f"This DICOM file is compressed as {name}, which is not supported.")
+
+
+def _copy_pixel_dataset(ds: Dataset, header: _PixelHeader) -> Dataset:
+    """A new dataset with only the pixel, modality LUT, VOI LUT and palette attributes."""
+    pixel_ds = Dataset()
+    pixel_ds.file_meta = FileMetaDataset()
+    pixel_ds.file_meta.TransferSyntaxUID = header.transfer_syntax
+    pixel_ds.set_original_encoding(*ds.original_encoding)
+    for keyword in _PIXEL_KEYWORDS:
+        if keyword in ds:
+            pixel_ds[keyword] = ds[keyword]
+    for keyword in _LUT_SEQUENCES:
+        items = ds.get(keyword)
+        if items:
+            lut = Dataset()
+            for lut_keyword in ("LUTDescriptor", "LUTData"):
+                if lut_keyword in items[0]:
+                    lut[lut_keyword] = items[0][lut_keyword]
+            setattr(pixel_ds, keyword, [lut])
+    return pixel_ds
+
+
+def _functional_group_values(ds: Dataset, frame_count: int) -> list[dict[str, Any]] | None:
+    """Enhanced multi-frame files keep rescale and window per frame in functional groups, which
+    pydicom's LUT functions do not read. Pull out just those numbers, frame by frame."""
+    shared = ds.get("SharedFunctionalGroupsSequence")
+    per_frame = ds.get("PerFrameFunctionalGroupsSequence")
+    if not shared and not per_frame:
+        return None
+
+    def values_in(group: Dataset) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for sequence, keywords in (("PixelValueTransformationSequence", ("RescaleSlope", "RescaleIntercept")),
+                                   ("FrameVOILUTSequence", ("WindowCenter", "WindowWidth", "VOILUTFunction"))):
+            items = group.get(sequence)
+            if items:
+                found.update({k: items[0][k] for k in keywords if k in items[0]})
+        return found
+
+    common = values_in(shared[0]) if shared else {}
+    return [{**common, **(values_in(per_frame[i]) if per_frame and i < len(per_frame) else {})}
+            for i in range(frame_count)]

@@ -1,0 +1,144 @@
+"""What an opened upload is, and what rendering it gives.
+
+    ScanSource (pixels only, identifying tags dropped, held in memory)
+        │ render(window, frame)      (re-windowing never re-reads the file)
+        ▼
+    Scan(pixels (H, W, 3) uint8, window, frame, safe_meta)
+
+Each format's opener (dicom.py, picture.py) builds a ScanSource around a `load_frame` function;
+`ScanLimits` are what those openers check before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .guard import ScanError, _run_public
+from .windowing import (
+    WINDOW_PRESETS,
+    Window,
+    _auto_window,
+    _check_window,
+    _default_window,
+    _Frame,
+    _to_rgb8,
+)
+
+
+@dataclass
+class ScanLimits:
+    """Checked against the file and its header before anything is decoded."""
+
+    max_bytes: int = 100 * 1024 * 1024  # size of the upload itself (and of a deflated DICOM once inflated)
+    max_pixels: int = 2**28  # Rows × Columns × frames, ≈ 268 M (1024 slices of 512 × 512)
+    max_frame_pixels: int = 6000 * 6000  # Rows × Columns of one frame: bounds the float64 working copies
+    max_decoded_bytes: int = 1024**3  # Rows × Columns × frames × samples × bytes per sample
+    max_frames: int = 10_000  # frames (or TIFF pages) in one file
+
+
+@dataclass
+class Scan:
+    pixels: np.ndarray  # (H, W, 3) uint8, what the model sees and the viewer shows
+    window: Window | None  # window applied (None for colour images shown as stored)
+    frame_index: int
+    frame_count: int
+    safe_meta: dict[str, str]  # allowlisted, e.g. {"Modality": "CT", "Rows": "512", ...}
+    source_format: str  # "dicom" | "png" | "jpeg" | "tiff"
+
+    def describe_window(self) -> str:
+        if self.window is None:
+            return "no window (colour image shown as stored)"
+        return self.window.describe()
+
+    def __repr__(self) -> str:
+        return (f"Scan({self.source_format}, pixels={self.pixels.shape}, window={self.window}, "
+                f"frame={self.frame_index}/{self.frame_count}, safe_meta={self.safe_meta})")
+
+
+class ScanSource:
+    """A decoded upload held in memory, identifying tags already dropped. Render it as often as
+    needed (new window, other frame) without reading the file again."""
+
+    def __init__(self, *, source_format: str, frame_count: int, safe_meta: dict[str, str],
+                 load_frame: Callable[[int], _Frame]):
+        self.source_format = source_format
+        self.is_dicom = source_format == "dicom"
+        self.frame_count = frame_count
+        self.default_frame = frame_count // 2  # the middle slice of a stack, as viewers open it
+        self.safe_meta = safe_meta
+        self._load_frame = load_frame
+        # Decode the default frame now, so that a damaged upload is refused when it is opened.
+        self.default_window = _default_window(self._load_frame(self.default_frame))
+
+    def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
+        """`window`: a Window, a WINDOW_PRESETS key, "file" (the file's own), "auto" (0.5-99.5
+        percentile of this frame), or None for the file's own window where it has one, else the
+        automatic window of the default frame (so a stack keeps one window while scrolling).
+        `frame`: 0-based, None for the middle one."""
+        return _run_public(self._render, window, frame)
+
+    def _render(self, window: Window | str | None, frame: int | None) -> Scan:
+        index = self.default_frame if frame is None else _check_frame(frame, self.frame_count)
+        decoded = self._load_frame(index)
+        window = self._resolve_window(window, decoded)
+        pixels = _to_rgb8(decoded, window)  # (H, W, 3) uint8
+        return Scan(pixels=pixels, window=window, frame_index=index, frame_count=self.frame_count,
+                    safe_meta=dict(self.safe_meta), source_format=self.source_format)
+
+    def _resolve_window(self, window: Window | str | None, decoded: _Frame) -> Window | None:
+        if isinstance(window, str):
+            if window == "auto":
+                return None if decoded.is_color else _auto_window(decoded.values)
+            if window == "file":
+                window = None
+            elif window in WINDOW_PRESETS:
+                window = WINDOW_PRESETS[window]
+            else:
+                raise ScanError(f"Unknown window preset; choose one of: file, auto, {', '.join(WINDOW_PRESETS)}.")
+        if window is None:
+            return decoded.file_window or self.default_window
+        _check_window(window)
+        return window
+
+    def __repr__(self) -> str:
+        return (f"ScanSource({self.source_format}, frames={self.frame_count}, "
+                f"default_window={self.default_window}, safe_meta={self.safe_meta})")
+
+
+def parse_window(text: str) -> Window | str:
+    """A window typed by a user: a preset name ("lung", "soft tissue"), "file", "auto", or
+    "CENTER,WIDTH" such as "40,400" (in HU for CT). Raises ScanError on anything else."""
+    name = re.sub(r"[\s-]+", "_", text.strip().lower())
+    if name in ("file", "auto"):
+        return name
+    if name in WINDOW_PRESETS:
+        return WINDOW_PRESETS[name]
+    parts = re.split(r"\s*[,/]\s*", text.strip())
+    try:
+        center, width = (float(part) for part in parts)
+    except ValueError:
+        center = width = None
+    if center is None:
+        raise ScanError(f"A window is a preset ({', '.join(WINDOW_PRESETS)}), 'file', 'auto', "
+                        "or CENTER,WIDTH such as 40,400.")
+    window = Window(center, width, "user")
+    _check_window(window)
+    return window
+
+
+def _check_frame(frame: int, frame_count: int) -> int:
+    if isinstance(frame, bool) or not isinstance(frame, (int, np.integer)) or not 0 <= frame < frame_count:
+        raise ScanError(f"Frame {frame} was requested, but this scan has {frame_count} "
+                        f"frame{'s' if frame_count > 1 else ''} (numbered 0 to {frame_count - 1}).")
+    return int(frame)
+
+
+def _too_large_message(rows: int, columns: int, frames: int, limits: ScanLimits) -> str:
+    size = f"{columns} × {rows} pixels" + (f" × {frames} frames" if frames > 1 else "")
+    return (f"This image is too large to open safely ({size}; the limit is "
+            f"{limits.max_frame_pixels / 1e6:.0f} million pixels a frame and "
+            f"{limits.max_pixels / 1e6:.0f} million in all).")

@@ -1,0 +1,78 @@
+"""Builders shared by the tests of medvqa.imaging: synthetic DICOM and pictures, and a window
+computed independently of pydicom to check rendered grey levels against."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pydicom
+import pytest
+from PIL import Image
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian
+
+from .conftest import SHARED_DATA
+
+CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
+
+
+def require_data(*parts: str) -> Path:
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not found: real-image tests need ../shared/data")
+    return path
+
+
+def make_dicom(stored: np.ndarray, *, photometric: str = "MONOCHROME2", bits_stored: int = 12,
+               signed: bool = False, **attributes) -> Dataset:
+    """A CT dataset holding `stored` ((H, W) or (frames, H, W)) as 16-bit pixels."""
+    ds = Dataset()
+    ds.SOPClassUID = CT_IMAGE_STORAGE
+    ds.SOPInstanceUID = pydicom.uid.generate_uid()
+    ds.Modality = "CT"
+    ds.Rows, ds.Columns = stored.shape[-2:]
+    if stored.ndim == 3:
+        ds.NumberOfFrames = stored.shape[0]
+    ds.SamplesPerPixel = 1
+    ds.PhotometricInterpretation = photometric
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit = 16, bits_stored, bits_stored - 1
+    ds.PixelRepresentation = int(signed)
+    ds.PixelData = stored.astype("<i2" if signed else "<u2").tobytes()
+    for keyword, value in attributes.items():
+        setattr(ds, keyword, value)
+    return ds
+
+
+def dicom_bytes(ds: Dataset, transfer_syntax: str = ExplicitVRLittleEndian) -> bytes:
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = transfer_syntax
+    ds.file_meta.MediaStorageSOPClassUID = ds.get("SOPClassUID", CT_IMAGE_STORAGE)
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.get("SOPInstanceUID", pydicom.uid.generate_uid())
+    buffer = io.BytesIO()
+    ds.save_as(buffer, enforce_file_format=True)
+    return buffer.getvalue()
+
+
+def linear_window(values: np.ndarray, center: float, width: float) -> np.ndarray:
+    """PS3.3 C.11.2.1.2.1, written out independently of pydicom."""
+    gray = ((values - (center - 0.5)) / (width - 1) + 0.5) * 255
+    return np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+
+
+HU = np.array([[-1024, -1000, -600, -100],
+               [0, 40, 80, 150],
+               [400, 1000, 1300, 3000]])
+
+
+def ct_from_hu(hu: np.ndarray = HU, **attributes) -> bytes:
+    # Stored values are HU + 1024, as a scanner with intercept -1024 writes them.
+    return dicom_bytes(make_dicom(hu + 1024, RescaleSlope=1, RescaleIntercept=-1024, RescaleType="HU",
+                                  **attributes))
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()

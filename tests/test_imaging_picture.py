@@ -1,0 +1,73 @@
+"""medvqa.imaging.picture: PNG, JPEG and TIFF through Pillow, grey and colour, one frame per TIFF
+page, and the real VQA-RAD and SLAKE images."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+from medvqa.imaging import Window, load_scan, open_scan
+
+from .imaging_helpers import encode, linear_window, require_data
+
+
+def test_16_bit_png_is_windowed_to_a_robust_percentile_range():
+    rng = np.random.default_rng(0)
+    values = rng.integers(1000, 3000, size=(64, 64)).astype(np.uint16)
+    values[0, :5] = 65535  # a few hot pixels must not flatten the image
+    image = Image.fromarray(values)
+    assert image.mode == "I;16"
+    scan = load_scan(encode(image, "PNG"))
+    assert scan.source_format == "png" and scan.window.name == "auto-percentile"
+    assert 2900 < scan.window.center + scan.window.width / 2 < 3000  # hot pixels ignored
+    assert scan.pixels.min() == 0 and scan.pixels.max() == 255
+    assert 100 < np.median(scan.pixels) < 156
+    user = load_scan(encode(image, "PNG"), window=Window(2000, 1000, "user"))
+    np.testing.assert_array_equal(user.pixels[..., 0], linear_window(values.astype(float), 2000, 1000))
+
+
+def test_8_bit_grayscale_png_is_shown_as_stored():
+    values = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    scan = load_scan(encode(Image.fromarray(values), "PNG"))
+    np.testing.assert_array_equal(scan.pixels[..., 0], values)
+    assert scan.window.name == "none" and "as stored" in scan.describe_window()
+    assert scan.safe_meta == {"Format": "PNG", "Rows": "16", "Columns": "16", "PixelFormat": "L"}
+
+
+def test_rgb_rgba_palette_jpeg_and_tiff():
+    rgb = np.zeros((8, 8, 3), dtype=np.uint8)
+    rgb[..., 0], rgb[..., 1], rgb[..., 2] = 200, 100, 50
+    scan = load_scan(encode(Image.fromarray(rgb), "PNG"))
+    assert scan.window is None and scan.describe_window() == "no window (colour image shown as stored)"
+    np.testing.assert_array_equal(scan.pixels, rgb)
+
+    rgba = np.dstack([rgb, np.full((8, 8), 255, np.uint8)])
+    rgba[:4, :, 3] = 0  # transparent half is shown black, as on a viewer's background
+    pixels = load_scan(encode(Image.fromarray(rgba), "PNG")).pixels
+    assert (pixels[:4] == 0).all() and (pixels[4:] == rgb[4:]).all()
+
+    palette = Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE)
+    np.testing.assert_array_equal(load_scan(encode(palette, "PNG")).pixels, rgb)
+
+    jpeg = load_scan(encode(Image.fromarray(rgb), "JPEG", quality=95))
+    assert jpeg.source_format == "jpeg" and np.abs(jpeg.pixels.astype(int) - rgb).max() <= 3
+
+    pages = [Image.fromarray(np.full((4, 4), 1000 * (k + 1), np.uint16)) for k in range(3)]
+    buffer = io.BytesIO()
+    pages[0].save(buffer, "TIFF", save_all=True, append_images=pages[1:])
+    source = open_scan(buffer.getvalue())
+    assert source.source_format == "tiff" and source.frame_count == 3
+    assert source.render(window=Window(2000, 1000, "user"), frame=2).pixels.min() == 255
+
+
+def test_real_vqa_rad_and_slake_images():
+    vqa_rad = sorted(require_data("vqa_rad", "images").glob("synpic*.jpg"))[:4]
+    slake = sorted(require_data("slake", "imgs").glob("xmlab*/source.jpg"))[:4]
+    assert vqa_rad and slake, "expected images in ../shared/data"
+    for path in vqa_rad + slake:
+        scan = load_scan(path)
+        assert scan.pixels.ndim == 3 and scan.pixels.shape[2] == 3 and scan.pixels.dtype == np.uint8
+        assert scan.pixels.std() > 5, path.name
+        assert scan.source_format == "jpeg" and scan.frame_count == 1

@@ -1,0 +1,80 @@
+"""medvqa.imaging.windowing: modality values through the file's, a preset's, the user's or an
+automatic window to the grey levels a DICOM viewer shows."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from pydicom.dataset import Dataset
+
+from medvqa.imaging import WINDOW_PRESETS, Window, load_scan, open_scan
+
+from .imaging_helpers import HU, ct_from_hu, dicom_bytes, linear_window, make_dicom
+
+
+@pytest.mark.parametrize("preset", sorted(WINDOW_PRESETS))
+def test_ct_hu_values_give_known_gray_levels_under_each_preset(preset):
+    window = WINDOW_PRESETS[preset]
+    scan = load_scan(ct_from_hu(), window=preset)
+    assert scan.pixels.shape == (3, 4, 3) and scan.pixels.dtype == np.uint8
+    assert (scan.pixels[..., 0] == scan.pixels[..., 1]).all() and (scan.pixels[..., 1] == scan.pixels[..., 2]).all()
+    np.testing.assert_array_equal(scan.pixels[..., 0], linear_window(HU, window.center, window.width))
+    assert scan.window == window
+    assert scan.describe_window().startswith(preset.replace("_", " ") + " window (C ")
+
+
+def test_known_anchor_gray_levels():
+    lung = load_scan(ct_from_hu(), window="lung").pixels[..., 0]
+    assert lung[0, 2] == 128  # -600 HU is the lung window's centre
+    assert lung[1, 3] == 255 and lung[2, 3] == 255  # above -600 + 1500/2
+    assert lung[0, 0] == 55  # -1024 HU, air, is still inside the lung window
+    brain = load_scan(ct_from_hu(), window="brain").pixels[..., 0]
+    assert brain[1, 0] == 0 and brain[1, 1] == 129 and brain[1, 2] == 255  # 0, 40 and 80 HU
+    assert load_scan(ct_from_hu(), window="lung").describe_window() == "lung window (C -600 / W 1500)"
+
+
+def test_file_window_first_of_several_values_is_the_default():
+    data = ct_from_hu(WindowCenter=[40, 400], WindowWidth=[400, 1800])
+    scan = load_scan(data)
+    assert scan.window == Window(40, 400, "file")
+    assert scan.describe_window() == "the file's own window (C 40 / W 400)"
+    np.testing.assert_array_equal(scan.pixels[..., 0], linear_window(HU, 40, 400))
+
+
+def test_signed_pixels_without_rescale():
+    data = dicom_bytes(make_dicom(HU, signed=True, bits_stored=16))
+    scan = load_scan(data, window=Window(0, 1000, "user"))
+    np.testing.assert_array_equal(scan.pixels[..., 0], linear_window(HU, 0, 1000))
+    assert scan.describe_window() == "user window (C 0 / W 1000)"
+
+
+def test_no_file_window_falls_back_to_a_percentile_window():
+    y, x = np.mgrid[0:64, 0:64]
+    scan = load_scan(dicom_bytes(make_dicom((x * 60 + y) % 4096)))
+    assert scan.window.name == "auto-percentile"
+    assert scan.pixels.min() == 0 and scan.pixels.max() == 255
+    assert "percentile" in scan.describe_window()
+
+
+def test_monochrome1_is_inverted_after_the_window():
+    normal = load_scan(ct_from_hu(), window="abdomen").pixels
+    inverted = load_scan(ct_from_hu(PhotometricInterpretation="MONOCHROME1"), window="abdomen").pixels
+    np.testing.assert_array_equal(inverted, 255 - normal)
+
+
+def test_voi_lut_sequence_is_applied_before_window_center_width():
+    stored = np.arange(4096, dtype=np.uint16).reshape(64, 64)
+    ds = make_dicom(stored, WindowCenter=2048, WindowWidth=4096)
+    lut = Dataset()
+    lut.add_new("LUTDescriptor", "US", [4096, 0, 12])
+    lut.add_new("LUTData", "US", [4095 - v for v in range(4096)])  # an inverting LUT
+    lut.LUTExplanation = "ZQSECRET explanation"  # free text, must not survive
+    ds.VOILUTSequence = [lut]
+    source = open_scan(dicom_bytes(ds))
+    scan = source.render()
+    assert scan.window.name == "file-lut"
+    expected = np.rint((4095 - stored.astype(np.int64)) * 255 / 4095).astype(np.uint8)
+    np.testing.assert_array_equal(scan.pixels[..., 0], expected)
+    assert b"ZQSECRET" not in pickle.dumps(source)
