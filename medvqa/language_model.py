@@ -1,10 +1,9 @@
-"""The frozen decoder LLM: loading (local folder, hub id or GGUF), embeddings in, streamed text out.
+"""The frozen decoder LLM as a Hugging Face causal LM: loading (local folder, hub id or GGUF
+converted once), its input embeddings, a plain forward.
 
-The decoder is fed through `inputs_embeds` so projected image tokens can sit among the text
-embeddings. Generation is a small explicit loop over a key/value cache rather than
-`model.generate`, because the pipeline needs three things `generate` does not give together:
-streamed text pieces without a helper thread, the cache back at the end (to extend it on the next
-turn), and scoring of a closed set of candidate answers.
+The LLaVA composition (medvqa/model.py) feeds it through `inputs_embeds`, so projected image tokens
+sit among the text embeddings. Training, the LLaVA export and the transformers engine
+(engines/transformers.py, which owns generation and the prefix cache) all use this one class.
 """
 
 from __future__ import annotations
@@ -12,32 +11,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from .config import DecoderConfig, resolve_path
-from .fast_decode import LlamaDecodeStep
 
 log = logging.getLogger(__name__)
 
 
 class ModelMissingError(RuntimeError):
     """Model weights are not available locally (and we may not download them)."""
-
-
-@dataclass
-class GenerationResult:
-    """What a finished generation leaves behind: the token ids and the cache covering them."""
-
-    token_ids: list[int] = field(default_factory=list)
-    cache: object | None = None  # transformers Cache covering the prompt and the generated tokens fed back
-    # (all of them after an end-of-turn token, all but the last at the length limit)
-    cache_length: int = 0  # tokens the cache covers
-    stopped_by: str = ""  # "eos", "length" or "stop"
 
 
 def derived_decoder_path(gguf_path: str | Path, cache_dir: str | Path, suffix: str = "") -> Path:
@@ -80,7 +65,7 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
 def save_plain_copy(model, tokenizer, folder: str | Path) -> None:
     """Save a model as a plain transformers folder: a fresh model of its class around contiguous copies
     of its weights. save_pretrained refuses the loaded ones as they are: a GGUF load leaves a
-    quantisation marker, and the CPU fast decode path (fast_decode.py) makes weights views of its
+    quantisation marker, and the CPU fast decode path (engines/cpu_fast.py) makes weights views of its
     fused tensors."""
     config = model.config
     config.quantization_config = None
@@ -99,7 +84,7 @@ def resolve_decoder_folder(config: DecoderConfig, cache_dir: str | Path) -> str:
     return path
 
 
-class Decoder(nn.Module):
+class LanguageModel(nn.Module):
     def __init__(self, model, tokenizer, config: DecoderConfig):
         super().__init__()
         self.model = model
@@ -107,16 +92,13 @@ class Decoder(nn.Module):
         self.config = config
         self.model.requires_grad_(False)
         self.model.eval()
-        self.eos_ids = _eos_ids(model, tokenizer)
-        # Prefill and decoded tokens on CPU skip the transformers forward's overhead (fast_decode.py).
-        self.fast_step = LlamaDecodeStep.build(model) if config.cpu_fast_decode else None
 
-    def train(self, mode: bool = True) -> "Decoder":
+    def train(self, mode: bool = True) -> "LanguageModel":
         return super().train(False)  # frozen: always in eval mode
 
     @classmethod
     def load(cls, config: DecoderConfig, device: torch.device, dtype: torch.dtype, cache_dir: str | Path,
-             offline: bool = True, profile: str = "") -> "Decoder":
+             offline: bool = True, profile: str = "") -> "LanguageModel":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = resolve_decoder_folder(config, cache_dir)
@@ -171,88 +153,6 @@ class Decoder(nn.Module):
         return self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels,
                           use_cache=False)
 
-    @torch.inference_mode()
-    def prefill(self, inputs_embeds: torch.Tensor, cache=None, cache_length: int = 0):
-        """Run `inputs_embeds` (1, T, d) after `cache_length` cached tokens; return (last logits, cache)."""
-        from transformers import DynamicCache
-
-        cache = cache if cache is not None else DynamicCache(config=self.model.config)
-        if self.fast_step is not None and inputs_embeds.shape[0] == 1:
-            return self.fast_step(inputs_embeds, cache, cache_length), cache
-        length = inputs_embeds.shape[1]
-        positions = torch.arange(cache_length, cache_length + length, device=self.device).unsqueeze(0)
-        out = self.model(inputs_embeds=inputs_embeds, cache=cache, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), out.cache
-
-    @torch.inference_mode()
-    def stream(self, inputs_embeds: torch.Tensor, *, cache=None, cache_length: int = 0,
-               max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               result: GenerationResult | None = None, seed: int = 0, ignore_eos: bool = False) -> Iterator[str]:
-        """Generate from the prompt `inputs_embeds`, yielding text pieces as they become printable.
-
-        When `result` is given it receives the generated ids and the cache (covering the prompt
-        and every generated token but the last), so a caller can extend the conversation later.
-        """
-        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        temperature = self.config.temperature if temperature is None else temperature
-        top_p = self.config.top_p if top_p is None else top_p
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        result = result if result is not None else GenerationResult()
-        logits, cache = self.prefill(inputs_embeds, cache, cache_length)
-        cache_length += inputs_embeds.shape[1]
-        printed = ""
-        result.stopped_by = "length"
-        for step in range(max_new_tokens):
-            token = _choose(logits, temperature, top_p, generator)
-            if token in self.eos_ids and not ignore_eos:
-                result.stopped_by = "eos"
-                break
-            result.token_ids.append(token)
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            # A multi-byte character can span tokens; hold it back until it is complete.
-            if not text.endswith("\ufffd") and len(text) > len(printed):
-                yield text[len(printed):]
-                printed = text
-            if step == max_new_tokens - 1:
-                break
-            logits, cache = self.prefill(self.embed([token]), cache, cache_length)
-            cache_length += 1
-        result.cache, result.cache_length = cache, cache_length
-
-    @torch.inference_mode()
-    def choose_answer(self, inputs_embeds: torch.Tensor, candidates: list[str]) -> tuple[str, list[float]]:
-        """Constrained decoding over a closed set: the candidate with the highest mean token
-        log-probability after the prompt, its end-of-turn marker included (so "Right" is not scored
-        as the start of "Right kidney"; length-normalised so longer options are not penalised)."""
-        if not candidates:
-            raise ValueError("choose_answer needs at least one candidate")
-        logits, cache = self.prefill(inputs_embeds)
-        first = torch.log_softmax(logits[0], -1)
-        prompt_length = inputs_embeds.shape[1]
-        scores = []
-        for candidate in candidates:
-            ids = answer_ids(self.tokenizer, candidate)
-            log_probs = [first[ids[0]].item()]
-            if len(ids) > 1:
-                positions = torch.arange(prompt_length, prompt_length + len(ids) - 1,
-                                         device=self.device).unsqueeze(0)
-                out = self.model(inputs_embeds=self.embed(ids[:-1]), cache=cache,
-                                 position_ids=positions, use_cache=True)
-                cache.crop(1 - len(ids))  # back to the prompt for the next candidate
-                step_log_probs = torch.log_softmax(out.logits[0].float(), -1)  # (len-1, V)
-                log_probs += [step_log_probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
-            scores.append(sum(log_probs) / len(log_probs))
-        best = max(range(len(candidates)), key=scores.__getitem__)
-        return candidates[best], scores
-
-
-def answer_ids(tokenizer, answer: str) -> list[int]:
-    """Token ids of a complete answer as the decoder is taught to end it: its words, then the end of
-    turn (the tokenizer's end-of-sequence token, which the chat templates close a turn with)."""
-    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-
 
 def column_major_weights(model: nn.Module) -> int:
     """Store every linear weight (W, out x in) column-major: same tensor, strides (1, out).
@@ -280,31 +180,6 @@ def column_major_weights(model: nn.Module) -> int:
             seen.add(tensor.data_ptr())
             tensor.data = tensor.data.clone()
     return changed
-
-
-def _choose(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    if temperature <= 0:
-        return int(logits[0].argmax())
-    probs = torch.softmax(logits[0].cpu() / temperature, -1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    for token in ("<|im_end|>", "<|eot_id|>", "</s>", "<|endoftext|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id is not None:
-            ids.add(token_id)
-    return ids
 
 
 def hub_offline_env(offline: bool) -> None:

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -24,26 +23,23 @@ class ProjectorShapeError(ValueError):
 
 
 class Projector(nn.Module):
-    def __init__(self, vision_size: int, hidden_size: int, text_size: int, normalize_input: bool = False):
+    def __init__(self, vision_size: int, hidden_size: int, text_size: int):
         super().__init__()
-        self.normalize_input = normalize_input
-        self.image_position = "before"  # where the prompt puts the image tokens it was trained on (prompt.py)
         self.linear_1 = nn.Linear(vision_size, hidden_size)
         self.act = nn.GELU()  # exact (erf) GELU, as Hugging Face's "gelu"
         self.linear_2 = nn.Linear(hidden_size, text_size)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, N, d_v) -> (B, N, d_l)
-        if self.normalize_input:
-            # Encoder features have very different scales across channels and images; a unit-RMS
-            # token keeps the projector's input well conditioned. No parameters: nothing to export.
-            features = F.rms_norm(features, (features.shape[-1],))
         return self.linear_2(self.act(self.linear_1(features)))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.linear_1.weight.dtype
 
     def save(self, path: str | Path, metadata: dict | None = None) -> None:
         tensors = {PREFIX + name: tensor.detach().to("cpu", torch.float32).contiguous()
                    for name, tensor in self.state_dict().items()}
-        meta = {"normalize_input": json.dumps(self.normalize_input)}
-        meta.update({key: json.dumps(value) for key, value in (metadata or {}).items()})
+        meta = {key: json.dumps(value) for key, value in (metadata or {}).items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=meta)
 
@@ -52,6 +48,7 @@ class Projector(nn.Module):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"Projector weights not found at {path}.")
+        _refuse_retired_variants(path)
         with safe_open(str(path), framework="pt") as handle:
             state = {key[len(PREFIX):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(PREFIX)}
         expected = self.state_dict()
@@ -67,6 +64,16 @@ class Projector(nn.Module):
                     f"{self.linear_1.out_features} -> text {self.linear_2.out_features}).")
         self.load_state_dict(state)
         return self
+
+
+def _refuse_retired_variants(path: Path) -> None:
+    """Files trained with input normalisation or with the image after the question: both variants
+    were measured worse and removed (docs/experiments.md); such a file would be read wrong."""
+    meta = read_metadata(path)
+    if meta.get("normalize_input") is True or meta.get("image_position", "before") != "before":
+        raise ProjectorShapeError(
+            f"{path} was trained with a retired variant (input normalisation or the image after the "
+            f"question); retrain it with scripts/train_projector.py.")
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -96,5 +103,5 @@ def convert_llava_med_projector(checkpoint_files: list[str | Path], out_path: st
     mapped = map_llava_med_projector(state)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in mapped.items()}, str(out_path),
-              metadata={"normalize_input": "false", "source": json.dumps("llava-med")})
+              metadata={"source": json.dumps("llava-med")})
     return Path(out_path)

@@ -1,9 +1,10 @@
 """Prompt assembly: system rules, image placeholder, cited passages, history, question.
 
-The prompt is rendered with the decoder's own chat template. The image sits at a placeholder in the
-first user message, before or after the question (`image_position`, a property of how the
-projector was trained); after tokenisation the placeholder becomes `n_image_tokens` positions flagged in
-an image mask, which `merge_image_features` fills with projected image features.
+The prompt is rendered with the decoder's own chat template. The image sits at a placeholder at the
+start of the first user message (as LLaVA); after tokenisation the placeholder becomes
+`n_image_tokens` positions flagged in an image mask, which `model.merge_image_features` fills with
+projected image features. Without a tokenizer (an engine that renders its own template, such as a
+remote server) the prompt is the messages alone.
 
 Passages are wrapped in `<source id=n>` blocks and the system rules say they are reference data,
 never instructions; their text was already sanitised at ingest by the retrieval module.
@@ -14,12 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
-
 IMAGE_PLACEHOLDER = "<image>"
-# The image before the question (as LLaVA), after it, or "both": the question, the image, and the
-# question again next to the answer.
-IMAGE_POSITIONS = ("before", "after", "both")
 
 SYSTEM_PROMPT = (
     "You are MedVQA, a research assistant that answers questions about a medical image. "
@@ -42,6 +38,7 @@ class Prompt:
     dropped_turns: int = 0  # earlier turns left out to fit the context window
     dropped_passages: int = 0  # passages left out to fit the context window
     text: str = ""  # rendered template text, with the placeholder (for logging lengths / debugging)
+    messages: list[dict] = field(default_factory=list)  # the conversation as chat messages
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -54,15 +51,7 @@ class PromptBuilder:
     context_window: int = 2048
     reserve_for_answer: int = 128
     system_prompt: str = SYSTEM_PROMPT
-    # "after" and "both": the first question comes before the image, so a causal decoder computes
-    # the image positions with the question in view (the question shapes how the image is read);
-    # "both" repeats it after the image, where the answer starts.
-    image_position: str = "before"
     _cache: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.image_position not in IMAGE_POSITIONS:
-            raise ValueError(f"image_position must be one of {IMAGE_POSITIONS}, not {self.image_position!r}")
 
     def user_message(self, question: str, passages: Sequence = (), window: str = "",
                      with_image: bool = False) -> str:
@@ -72,14 +61,7 @@ class PromptBuilder:
             if window:
                 image.append(f"(Image shown with {window}.)")
         parts = [f"<source id={number}>{passage.text}</source>" for number, passage in enumerate(passages, start=1)]
-        question_line = f"Question: {question.strip()}"
-        if self.image_position == "after":
-            parts = parts + [question_line] + image
-        elif self.image_position == "both" and image:
-            parts = parts + [question_line] + image + [question_line]
-        else:
-            parts = image + parts + [question_line]
-        return "\n".join(parts)
+        return "\n".join(image + parts + [f"Question: {question.strip()}"])
 
     def messages(self, question: str, history: Sequence[Turn] = (), passages: Sequence = (),
                  window: str = "") -> list[dict]:
@@ -101,6 +83,8 @@ class PromptBuilder:
         """
         if not question.strip():
             raise ValueError("The question is empty.")
+        if self.tokenizer is None:  # the engine renders and fits the messages itself
+            return Prompt([], [], messages=self.messages(question, history, passages, window))
         history, passages = list(history), list(passages)
         budget = self.context_window - self.reserve_for_answer
         dropped_turns = dropped_passages = 0
@@ -127,7 +111,9 @@ class PromptBuilder:
             messages.append({"role": "assistant", "content": answer})
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=answer is None)
-        return self.tokenise_text(text)
+        prompt = self.tokenise_text(text)
+        prompt.messages = messages
+        return prompt
 
     def tokenise_text(self, text: str) -> Prompt:
         """Tokenise rendered template text; each placeholder becomes n_image_tokens masked slots."""
@@ -150,20 +136,3 @@ class PromptBuilder:
                 self._cache.clear()
             self._cache[piece] = self.tokenizer(piece, add_special_tokens=False)["input_ids"]
         return self._cache[piece]
-
-
-def merge_image_features(text_embeds: torch.Tensor, image_mask: torch.Tensor,
-                         image_features: torch.Tensor) -> torch.Tensor:
-    """Place image features at the flagged positions.
-
-    text_embeds (B, T, d), image_mask (B, T) bool, image_features (B, N, d): every row must flag
-    exactly N positions, or the prompt and image disagree and we refuse rather than guess.
-    """
-    flagged = image_mask.sum(dim=1)
-    expected = image_features.shape[1]
-    if not bool((flagged == expected).all()):
-        raise ValueError(f"The prompt has {flagged.tolist()} image positions but the image has "
-                         f"{expected} tokens per row; they must match exactly.")
-    merged = text_embeds.clone()
-    merged[image_mask] = image_features.reshape(-1, image_features.shape[-1]).to(merged.dtype)
-    return merged

@@ -69,11 +69,11 @@ class VisionEncoder(nn.Module):
         return torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1).float() / 255.0
 
     @torch.no_grad()
-    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) -> (B, N, d_v), optionally average-pooled to `pooled_tokens` tokens."""
+    def encode(self, pixel_values: torch.Tensor, pool: bool = True) -> torch.Tensor:
+        """(B, 3, S, S) -> (B, N, d_v), average-pooled to `pooled_tokens` tokens unless `pool` is
+        False (training caches the full grid and pools per run)."""
         features = self.features(pixel_values.to(self.device, self.dtype))  # (B, N, d_v)
-        features = pool_tokens(features, self.pooled_tokens)
-        return features
+        return pool_tokens(features, self.pooled_tokens) if pool else features
 
     def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -24,9 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_app import start_app  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -73,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs the playwright package: pip install playwright (and apt-get install chromium)")
     if not Path(CHROMIUM).is_file():
         raise SystemExit(f"{CHROMIUM} not found: apt-get install chromium")
+    from bench_app import start_app  # beside this script (its folder is on the path when run)
+
     server, url = (None, args.url) if args.url else start_app(args.profile, args.start_timeout)
     try:
         with sync_playwright() as playwright:

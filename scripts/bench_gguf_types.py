@@ -24,12 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from medvqa.config import PROFILES, load_settings, resolve_path  # noqa: E402
-from medvqa.llama_engine import gguf_file_type, requantized_gguf  # noqa: E402
+from medvqa.config import PROFILES, load_settings, resolve_path
+from medvqa.engines.llama_cpp import gguf_file_type, requantized_gguf
 
 LLAMA_BENCH = Path(__file__).resolve().parent.parent / ".cache" / "llama-bench" / "llama-bench"
 

@@ -15,21 +15,21 @@ import time
 
 STARTED = time.perf_counter()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import resource
+import statistics
+import sys
+from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from medvqa.config import PROFILES, load_settings, resolve_path  # noqa: E402
-from medvqa.llama_engine import LlamaCppDecoder  # noqa: E402
-from medvqa.pipeline import Conversation, Done, Pipeline, Token  # noqa: E402
+from medvqa.config import PROFILES, load_settings, resolve_path
+from medvqa.engines import Engine, EngineRequest
+from medvqa.pipeline import Conversation, Done, Pipeline, Token
+from medvqa.prompt import Prompt
 
 LLAMA_BENCH = Path(__file__).resolve().parent.parent / ".cache" / "llama-bench" / "llama-bench"
 QUESTIONS = ["What abnormality is seen in the lungs?", "Where is the lesion located?",
@@ -81,16 +81,17 @@ def main() -> None:
     settings.decoder.engine = args.engine
     pipeline = Pipeline.load(settings)
     cold_start = time.perf_counter() - STARTED
-    decoder = pipeline.decoder
+    engine = pipeline.engine
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (512, 512, 3), dtype=np.uint8) for _ in range(3 * args.runs + 1)]
 
     vision_ms = []
     for image in images[1:]:
         start = time.perf_counter()
-        pipeline.image_tokens(image)
+        pipeline.model.image_tokens(image)
         vision_ms.append(1000 * (time.perf_counter() - start))
-    pipeline.image_token_cache = type(pipeline.image_token_cache)(pipeline.image_token_cache.capacity)
+    for image in images[1:]:
+        pipeline.model.forget_image(Conversation(image=image).digest)
 
     retrieval_ms = []
     if pipeline.retriever is not None:
@@ -130,8 +131,8 @@ def main() -> None:
         typed_ttft.append(_time_to_first_token(pipeline, conversation, NEXT_QUESTION)[0])
         pipeline.end_conversation(conversation)
 
-    hidden = decoder.hidden_size
-    high = min(1000, len(decoder.tokenizer))  # ordinary token ids (the tiny test model has few)
+    hidden = engine.hidden_size
+    high = min(1000, len(engine.tokenizer))  # ordinary token ids (the tiny test model has few)
     low = high // 10
     prefill, decode = [], []
     bandwidths = []
@@ -140,9 +141,9 @@ def main() -> None:
         # (medians of separate probes ranged from 31 to 59 GB/s between runs here).
         bandwidths.append(measure_bandwidth_gbps(repeats=3))
         ids = rng.integers(low, high, args.prompt_tokens).tolist()  # fresh ids: nothing to reuse
-        prefill.append(args.prompt_tokens / _time_prefill(decoder, ids))
+        prefill.append(args.prompt_tokens / _time_prefill(engine, ids))
         start, first_at = time.perf_counter(), None
-        for _ in _stream(decoder, ids, args.new_tokens + 1):
+        for _ in engine.stream(_text_request(ids), max_new_tokens=args.new_tokens + 1, ignore_eos=True):
             if first_at is None:
                 first_at = time.perf_counter()
         decode.append(args.new_tokens / (time.perf_counter() - first_at))
@@ -154,14 +155,15 @@ def main() -> None:
     context = rng.integers(low, high, 100).tolist()
     prefill_ms_by_tokens = {}
     for count in (1, 4, 8, 13, 32, 96):
-        times = [_time_prefill(decoder, rng.integers(low, high, count).tolist(), context)
+        times = [_time_prefill(engine, rng.integers(low, high, count).tolist(), context)
                  for _ in range(args.runs)]
         prefill_ms_by_tokens[count] = round(1000 * statistics.median(times), 1)
-    if isinstance(decoder, LlamaCppDecoder):
+    gguf = getattr(engine, "gguf_path", None)
+    if gguf:
         # llama.cpp reads the quantised tensors as stored: the GGUF's size is what a token reads.
-        bytes_per_token = Path(decoder.gguf_path).stat().st_size
+        bytes_per_token = Path(gguf).stat().st_size
     else:
-        bytes_per_token = weight_bytes_per_token(decoder.model)
+        bytes_per_token = weight_bytes_per_token(engine.language_model.model)
     result = {
         "profile": args.profile, "engine": args.engine,
         "cold_start_s": round(cold_start, 2),
@@ -179,8 +181,8 @@ def main() -> None:
         "decode_limit_tok_s": round(bandwidth * 1e9 / bytes_per_token, 1),
         "prefill_ms_after_100_by_tokens": prefill_ms_by_tokens,
     }
-    if isinstance(decoder, LlamaCppDecoder) and Path(args.llama_bench).is_file():
-        reference = run_llama_bench(args.llama_bench, decoder.gguf_path,
+    if gguf and Path(args.llama_bench).is_file():
+        reference = run_llama_bench(args.llama_bench, gguf,
                                     args.prompt_tokens, args.new_tokens, torch.get_num_threads(), args.runs)
         result["llama_bench_prefill_tok_s"] = reference["prefill"]
         result["llama_bench_decode_tok_s"] = reference["decode"]
@@ -229,35 +231,23 @@ def _time_to_first_token(pipeline: Pipeline, conversation: Conversation, questio
     return (ttft if ttft is not None else done.timings["total_s"]), done
 
 
-def _time_prefill(decoder, ids: list[int], context: list[int] = ()) -> float:
-    """Seconds to prefill `ids`, after `context` (cached beforehand, not timed) when given."""
+def _text_request(ids: list[int], conversation_id: str = "bench") -> EngineRequest:
+    """A prompt of text token ids alone (no image positions) for the engine."""
+    return EngineRequest(conversation_id, Prompt(list(ids), [False] * len(ids)), image=None, image_key=-1)
+
+
+def _time_prefill(engine: Engine, ids: list[int], context: list[int] = ()) -> float:
+    """Seconds to prefill `ids`, after `context` (cached beforehand through the engine's own prefix
+    cache, not timed) when given; a fresh conversation each time, so nothing else is reused."""
+    conversation_id = f"bench-{time.perf_counter_ns()}"
     context = list(context)
-    empty = np.zeros((0, decoder.hidden_size), np.float32)
-    if isinstance(decoder, LlamaCppDecoder):
-        slot = decoder._take_slot(context + ids)
-        try:
-            with decoder._lock:
-                decoder._truncate(slot, 0)
-                if context:
-                    decoder._prefill(slot, context, context, [False] * len(context), empty)
-                full = context + ids
-                start = time.perf_counter()
-                decoder._prefill(slot, full, full, [False] * len(full), empty)
-                return time.perf_counter() - start
-        finally:
-            decoder._give_back(slot)
-    cache = decoder.prefill(decoder.embed(context))[1] if context else None
-    embeds = decoder.embed(ids)
+    if context:
+        engine.prefill(_text_request(context, conversation_id))
     start = time.perf_counter()
-    decoder.prefill(embeds, cache, len(context))
-    return time.perf_counter() - start
-
-
-def _stream(decoder, ids: list[int], new_tokens: int):
-    if isinstance(decoder, LlamaCppDecoder):
-        return decoder.stream(ids, ids, [False] * len(ids), np.zeros((0, decoder.hidden_size), np.float32),
-                              max_new_tokens=new_tokens, ignore_eos=True)
-    return decoder.stream(decoder.embed(ids), max_new_tokens=new_tokens, ignore_eos=True)
+    engine.prefill(_text_request(context + ids, conversation_id))
+    elapsed = time.perf_counter() - start
+    engine.forget(conversation_id)
+    return elapsed
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from medvqa.config import load_settings  # noqa: E402
+from medvqa.config import load_settings
 
 KS = (1, 5, 10)
 DEPTH = 100

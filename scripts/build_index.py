@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from medvqa.config import PROFILES, load_settings  # noqa: E402
-from medvqa.retrieval import RetrievalError, build_index  # noqa: E402
-from medvqa.retrieval.index import FAISS_TYPES  # noqa: E402
+from medvqa.config import PROFILES, load_settings
+from medvqa.retrieval import RetrievalError, build_index
+from medvqa.retrieval.index import FAISS_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,21 +19,20 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import torch
+from tqdm import tqdm
 
-from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,  # noqa: E402
+from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,
                             open_recall)
-from medvqa.config import PROFILES, load_settings, resolve_path  # noqa: E402
-from medvqa.datasets import VQAExample, load_examples  # noqa: E402
-from medvqa.pipeline import Pipeline, engine_label  # noqa: E402
-from medvqa.training import read_image  # noqa: E402
+from medvqa.config import PROFILES, load_settings, resolve_path
+from medvqa.datasets import VQAExample, load_examples, read_image
+from medvqa.engines import engine_label
+from medvqa.model import BLANK_IMAGE
+from medvqa.pipeline import Pipeline
 
 CONDITIONS = ("retrieval", "no_retrieval", "shuffled_image", "blank_image")
-BLANK = np.zeros((224, 224, 3), dtype=np.uint8)
 
 
 def balanced_subset(examples: list[VQAExample], limit: int | None) -> list[VQAExample]:
@@ -97,8 +96,8 @@ def main() -> None:
     projector_id = _file_digest(settings.projector.weights)
     engine = engine_label(settings)
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
-    # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the contrast).
-    closed = f"{CLOSED_DECODING}c{settings.decoder.closed_contrast:g}y{settings.decoder.yes_bias:g}"
+    # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the Yes bias).
+    closed = f"{CLOSED_DECODING}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -131,7 +130,7 @@ def main() -> None:
                     row["passages"] = [p.id for p in pipeline.retrieve(example.question)]
                     continue
                 picture = {"shuffled_image": lambda: image(shuffled[example.image]),
-                           "blank_image": lambda: BLANK}.get(condition, lambda: image(example.image))()
+                           "blank_image": lambda: BLANK_IMAGE}.get(condition, lambda: image(example.image))()
                 answer, passages = pipeline.answer(picture, example.question,
                                                    use_retrieval=condition == "retrieval", constrained=True,
                                                    max_new_tokens=args.max_new_tokens)
@@ -182,8 +181,7 @@ def main() -> None:
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
-    summary["closed_decoding"] = {"options": CLOSED_DECODING, "contrast": settings.decoder.closed_contrast,
-                                  "yes_bias": settings.decoder.yes_bias}
+    summary["closed_decoding"] = {"options": CLOSED_DECODING, "yes_bias": settings.decoder.yes_bias}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from medvqa.config import PROFILES, load_settings  # noqa: E402
-from medvqa.export import ExportError, export_llava  # noqa: E402
-from medvqa.pipeline import Pipeline  # noqa: E402
+from medvqa.config import PROFILES, load_settings
+from medvqa.hf_export import ExportError, export_llava, load_for_export
 
 
 def main() -> int:
@@ -21,9 +17,9 @@ def main() -> int:
     parser.add_argument("--profile", choices=PROFILES, default="tiny")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    pipeline = Pipeline.load(load_settings(args.profile), with_retrieval=False)
+    model, decoder = load_for_export(load_settings(args.profile))
     try:
-        folder = export_llava(pipeline, args.out)
+        folder = export_llava(model, decoder, args.out, args.profile)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -36,7 +36,6 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 RAW_BASE = "https://raw.githubusercontent.com"
 API_BASE = "https://api.github.com"

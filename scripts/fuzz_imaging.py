@@ -28,9 +28,8 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
-sys.path.insert(0, str(REPO_ROOT))
 
-from medvqa.imaging import ScanError, open_scan  # noqa: E402
+from medvqa.imaging import ScanError, open_scan
 
 # Small real files bundled with pydicom, one per decoder path (native LE/BE, deflate, RLE, JPEG
 # baseline/extended, JPEG-LS, JPEG 2000, palette, YBR, multi-frame, 1-bit), small enough that a

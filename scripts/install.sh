@@ -22,6 +22,9 @@ else
   python -m pip install --quiet -r requirements.txt
 fi
 python -m pip install --quiet --no-deps -r requirements-nodeps.txt
+# MedVQA itself, editable (the `medvqa` command; scripts and tests import the installed package).
+# (Quiet: setuptools warns about editable installs on every run; shown in full only if it fails.)
+python -m pip install -qq --no-deps -e . >/dev/null 2>&1 || python -m pip install --no-deps -e .
 # The llama.cpp decoder engine (the offline profile's fastest). Set MEDVQA_NO_LLAMA=1 to skip it;
 # the transformers engine then serves alone.
 if [ "${MEDVQA_NO_LLAMA:-0}" != 1 ] && ! python -c "import llama_cpp" 2>/dev/null; then

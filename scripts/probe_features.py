@@ -15,17 +15,17 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from medvqa.answers import normalise  # noqa: E402
-from medvqa.config import load_settings  # noqa: E402
-from medvqa.datasets import load_examples  # noqa: E402
-from medvqa.retrieval.embed import load_embedder  # noqa: E402
-from medvqa.training import FeatureCache, encoder_key, read_image  # noqa: E402
-from medvqa.vision import build_vision  # noqa: E402
+from medvqa.answers import normalise
+from medvqa.config import load_settings
+from medvqa.datasets import load_examples
+from medvqa.retrieval.embed import load_embedder
+from medvqa.datasets import read_image
+from medvqa_train.data import FeatureCache, encoder_key
+from medvqa.vision import build_vision
 
 
 def yes_no_data(specs: list[str], cache: FeatureCache, embedder):

@@ -18,24 +18,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from medvqa.config import PROFILES, load_settings  # noqa: E402
-from medvqa.datasets import load_specs  # noqa: E402
-from medvqa.decoder import Decoder, hub_offline_env, save_plain_copy  # noqa: E402
-from medvqa.device import pick_device  # noqa: E402
-from medvqa.pipeline import build_projector  # noqa: E402
-from medvqa.projector import read_metadata  # noqa: E402
-from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder  # noqa: E402
-from medvqa.training import (FeatureCache, Standardized, add_lora, augmented, batch_loss,  # noqa: E402
-                             channel_statistics, encoder_key, held_out_images, held_out_yes_no, lr_at,
-                             make_example, merge_lora,
-                             prefix_cache_tensors, read_image, shared_prefix_length, training_answer,
-                             yes_no_accuracy)
-from medvqa.vision import build_vision, pool_tokens  # noqa: E402
+from medvqa.config import PROFILES, load_settings
+from medvqa.datasets import load_specs, read_image
+from medvqa.device import pick_device
+from medvqa.language_model import LanguageModel, hub_offline_env, save_plain_copy
+from medvqa.model import build_projector
+from medvqa.prompt import PromptBuilder
+from medvqa.vision import build_vision, pool_tokens
+from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_images, held_out_yes_no, make_example,
+                               shared_prefix_length, training_answer)
+from medvqa_train.experimental import add_lora, merge_lora
+from medvqa_train.loss import (Standardized, batch_loss, channel_statistics, lr_at, prefix_cache_tensors,
+                               yes_no_accuracy)
 
 
 def main() -> None:
@@ -50,7 +47,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.03, help="share of steps spent warming up")
     parser.add_argument("--tokens", type=int, default=None, help="image tokens (pooled); default: profile's")
     parser.add_argument("--hidden", type=int, default=None, help="projector bottleneck width")
-    parser.add_argument("--normalize-input", action="store_true", help="RMS-normalise encoder features")
     parser.add_argument("--standardize", action="store_true",
                         help="standardise each encoder channel with training-set statistics (folded into "
                              "the first layer when saved)")
@@ -65,22 +61,18 @@ def main() -> None:
     parser.add_argument("--init", default=None,
                         help="start from these projector weights (fine-tuning) instead of from scratch")
     parser.add_argument("--closed-weight", type=float, default=0.0,
-                        help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
+                        help="experimental (not shipped): weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
     parser.add_argument("--contrast-weight", type=float, default=0.0,
-                        help="weight of an image-reliance loss: each yes/no question is also asked with another "
+                        help="experimental (not shipped): weight of an image-reliance loss: each yes/no question is also asked with another "
                              "image of the batch, and its right answer must be likelier with its own image")
     parser.add_argument("--contrast-margin", type=float, default=0.5,
                         help="how far (two-way log-probability) the own image must lead before that loss stops")
     parser.add_argument("--repeat", type=int, nargs="+", default=None, metavar="N",
-                        help="show each --data spec's training examples N times an epoch, one N per spec "
+                        help="experimental (not shipped): show each --data spec's training examples N times an epoch, one N per spec "
                              "(e.g. --data vqa-rad:train slake:train --repeat 2 1); held-out questions stay out")
     parser.add_argument("--augment", type=int, default=0,
-                        help="augmented copies per image (crop, rotation, brightness, contrast); each step "
+                        help="experimental (not shipped): augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
-    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default=None,
-                        help="the image before the question (as LLaVA; the default), after it (the decoder "
-                             "reads the image with the question in view), or both (question, image, question "
-                             "again); recorded in the weights. With --init: the init file's position")
     parser.add_argument("--drop-image", type=float, default=0.0, help="share of examples shown a blank image")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="experimental: also train LoRA adapters of this rank on the decoder's linear layers "
@@ -96,9 +88,6 @@ def main() -> None:
     repeat = args.repeat or [1] * len(args.data)
     if len(repeat) != len(args.data) or min(repeat) < 1:
         parser.error("--repeat needs one whole number >= 1 for each --data spec")
-    if args.image_position is None:
-        recorded = read_metadata(args.init).get("image_position") if args.init else None
-        args.image_position = str(recorded or "before")
     if args.init and (args.standardize or args.match_text_scale):
         parser.error("--init starts from trained weights: --standardize and --match-text-scale only "
                      "apply to a projector trained from scratch")
@@ -110,7 +99,6 @@ def main() -> None:
         settings.vision.pooled_tokens = args.tokens
     if args.hidden is not None:
         settings.projector.hidden_size = args.hidden
-    settings.projector.normalize_input = args.normalize_input
     settings.projector.weights = ""  # start from scratch (or the checkpoint)
     out = Path(args.out or Path(settings.projector.weights or f"weights/{args.profile}/x").parent)
     if args.out is None:
@@ -123,13 +111,12 @@ def main() -> None:
     device = pick_device(settings.device)
     dtype = torch.float32  # measured: bf16 autocast is several times slower on CPUs without native bf16
     vision = build_vision(settings.vision, device, dtype, settings.offline)
-    decoder = Decoder.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
+    decoder = LanguageModel.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
     projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device)
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
     if args.init:
         projector.load(args.init)
-    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32,
-                            image_position=args.image_position)
+    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
 
     examples = load_specs(args.data)
     # Which spec each example came from (load_specs keeps the order), for --repeat.
@@ -287,7 +274,7 @@ def main() -> None:
         "planned_steps": total_steps, "epochs": round(step / max(1, steps_per_epoch), 3),
         "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens,
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
-                      "text": decoder.hidden_size, "normalize_input": args.normalize_input},
+                      "text": decoder.hidden_size},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
         "held_out_by_image": args.val_by_image,
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "seed": args.seed, "init": args.init,
@@ -295,14 +282,12 @@ def main() -> None:
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "lora": args.lora,
         "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None,
-        "image_position": args.image_position,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
         "command": "python " + " ".join(sys.argv),
     }
     final = projector.folded() if args.standardize else projector
-    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step,
-                                                                "image_position": args.image_position})
+    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
     if adapters:
         merge_lora(decoder.model)
         save_plain_copy(decoder.model, decoder.tokenizer, out / "decoder")

@@ -1,29 +1,25 @@
-"""Choose `decoder.yes_bias` and `decoder.closed_contrast` on questions training left out, never on
-a test split.
+"""Choose `decoder.yes_bias` on questions training left out, never on a test split.
 
     python scripts/tune_closed.py --profile offline --data vqa-rad:train slake:train --val 300
 
 Takes the same held-out closed yes/no questions as `train_projector.py --val 300` (same data, same
-seed; add --val-by-image if training held out whole images) and scores Yes and No with the real image, with another held-out question's image (the
-shuffled condition, paired as training pairs them) and with the blank image. For each pair in the
-grid, an option's score is s(image) - contrast * s(blank) (+ yes_bias for Yes); it prints accuracy
-with the real and the shuffled image. The scores are saved (--scores) so the grid can be re-read
-without the model. The last line is JSON: the grid and the pair with the best real-image accuracy.
+seed; add --val-by-image if training held out whole images) and scores Yes and No with the real
+image and with another held-out question's image (the shuffled condition, paired as training pairs
+them). For each bias in the grid, "Yes" scores s(Yes) + yes_bias; it prints accuracy with the real and
+the shuffled image. The scores are saved (--scores) so the grid can be re-read without the model. The
+last line is JSON: the grid and the bias with the best real-image accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from medvqa.answers import normalise, surface_forms  # noqa: E402
-from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.answers import normalise, surface_forms
+from medvqa.config import PROFILES, load_settings
 
 FORMS = [form for option in ("Yes", "No") for form in surface_forms(option)]
 
@@ -32,8 +28,10 @@ def score_held_out(args) -> dict[str, np.ndarray]:
     from tqdm import tqdm
 
     from medvqa.datasets import load_specs
-    from medvqa.pipeline import BLANK_DIGEST, BLANK_IMAGE, Pipeline, engine_label
-    from medvqa.training import held_out_images, held_out_yes_no, read_image
+    from medvqa.datasets import read_image
+    from medvqa.engines import engine_label
+    from medvqa.pipeline import Pipeline
+    from medvqa_train.data import held_out_images, held_out_yes_no
 
     settings = load_settings(args.profile)
     if args.engine:
@@ -44,14 +42,13 @@ def score_held_out(args) -> dict[str, np.ndarray]:
     held_out = [examples[i] for i in picked]
     pipeline = Pipeline.load(settings, with_retrieval=False)
     images = [read_image(example.image) for example in held_out]
-    real, shuffled, blank = [], [], []
+    real, shuffled = [], []
     for k, example in enumerate(tqdm(held_out, desc="held-out questions", unit="q")):
         prompt = pipeline.prompts.build(example.question)
         other = images[(k + len(held_out) // 2) % len(held_out)]
         real.append(pipeline.option_scores(images[k], prompt, FORMS))
         shuffled.append(pipeline.option_scores(other, prompt, FORMS))
-        blank.append(pipeline.option_scores(BLANK_IMAGE, prompt, FORMS, BLANK_DIGEST))
-    return {"real": np.asarray(real), "shuffled": np.asarray(shuffled), "blank": np.asarray(blank),
+    return {"real": np.asarray(real), "shuffled": np.asarray(shuffled),
             "answers": np.asarray([normalise(example.answer) for example in held_out]),
             "engine": np.asarray(engine_label(settings))}
 
@@ -74,7 +71,6 @@ def main() -> None:
     parser.add_argument("--val", type=int, default=300, help="held-out questions, as given to train_projector.py")
     parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
     parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
-    parser.add_argument("--contrast", type=float, nargs="+", default=[0.0, 0.2, 0.5, 1.0])
     parser.add_argument("--yes-bias", type=float, nargs="+",
                         default=[0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5])
     parser.add_argument("--scores", default="runs/tune-closed-scores.npz",
@@ -91,23 +87,16 @@ def main() -> None:
     answers = saved["answers"]
     print(f"{len(answers)} held-out yes/no questions ({100 * np.mean(answers == 'yes'):.1f} % yes), "
           f"engine {saved['engine']}; accuracy real image (shuffled image), %")
-    print("| contrast \\ yes_bias | " + " | ".join(f"{b:g}" for b in args.yes_bias) + " |")
-    print("|---" * (len(args.yes_bias) + 1) + "|")
-    grid = []
-    for contrast in args.contrast:
-        cells = []
-        for bias in args.yes_bias:
-            row = {"contrast": contrast, "yes_bias": bias,
-                   "real": accuracy(saved["real"] - contrast * saved["blank"], answers, bias),
-                   "shuffled": accuracy(saved["shuffled"] - contrast * saved["blank"], answers, bias)}
-            grid.append(row)
-            cells.append(f"{100 * row['real']:.1f} ({100 * row['shuffled']:.1f})")
-        print(f"| {contrast:g} | " + " | ".join(cells) + " |")
-    print("answered Yes with the real image, no contrast: " + ", ".join(
-        f"{100 * np.mean(picks(saved['real'], bias) == 'yes'):.1f} % at {bias:g}" for bias in args.yes_bias))
-    best = max(grid, key=lambda row: (row["real"], -row["contrast"], -row["yes_bias"]))
+    grid = [{"yes_bias": bias, "real": accuracy(saved["real"], answers, bias),
+             "shuffled": accuracy(saved["shuffled"], answers, bias)} for bias in args.yes_bias]
+    print("| yes_bias | real | shuffled | answered Yes |")
+    print("|---|---|---|---|")
+    for row in grid:
+        said_yes = np.mean(picks(saved["real"], row["yes_bias"]) == "yes")
+        print(f"| {row['yes_bias']:g} | {100 * row['real']:.1f} | {100 * row['shuffled']:.1f} | {100 * said_yes:.1f} |")
+    best = max(grid, key=lambda row: (row["real"], -row["yes_bias"]))
     print(json.dumps({"n": len(answers), "engine": str(saved["engine"]), "grid": grid,
-                      "best": {"contrast": best["contrast"], "yes_bias": best["yes_bias"]}}))
+                      "best": {"yes_bias": best["yes_bias"]}}))
 
 
 if __name__ == "__main__":

@@ -67,26 +67,26 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
 
     assert "not a diagnosis" in page.inner_text("#medvqa-notice")
     ct = dicom_file("CT_small.dcm")
-    cached_before = set(ui_pipeline.prefix_cache.keys())
+    cached_before = set(ui_pipeline.engine.prefixes.keys())
     first_src = upload_scan(page, ct)
     assert first_src.startswith("data:image/png;base64,")
     assert "DICOM · 128×128 px" in page.inner_text("#medvqa-viewer")
     screenshot(page, "01-scan-loaded.png")
     # Showing the scan is followed by warming: its conversation's prompt up to the question is cached.
     deadline = time.time() + 60
-    while not set(ui_pipeline.prefix_cache.keys()) - cached_before and time.time() < deadline:
+    while not set(ui_pipeline.engine.prefixes.keys()) - cached_before and time.time() < deadline:
         time.sleep(0.05)
-    assert set(ui_pipeline.prefix_cache.keys()) - cached_before, "the scan was not warmed after the upload"
+    assert set(ui_pipeline.engine.prefixes.keys()) - cached_before, "the scan was not warmed after the upload"
 
     # Typing the question key by key prefills its prompt (the question box's input events): with the
     # offline profile's gate, all of it but the last token is cached before Ask is pressed.
-    (key,) = set(ui_pipeline.prefix_cache.keys()) - cached_before
-    warmed = len(ui_pipeline.prefix_cache.get(key).ids)
+    (key,) = set(ui_pipeline.engine.prefixes.keys()) - cached_before
+    warmed = len(ui_pipeline.engine.prefixes.get(key).ids)
     with prompt_gate(ui_pipeline, "never"):
         page.locator("#medvqa-question textarea").press_sequentially(QUESTION)
         deadline = time.time() + 60
         while time.time() < deadline:
-            state = ui_pipeline.prefix_cache.get(key)
+            state = ui_pipeline.engine.prefixes.get(key)
             if state is not None and len(state.ids) > warmed:
                 break
             time.sleep(0.05)

@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -r requirements-llama.txt)")
 
 from medvqa.config import load_settings  # noqa: E402
-from medvqa.pipeline import Conversation, Done, Pipeline, image_digest  # noqa: E402
+from medvqa.engines import EngineRequest  # noqa: E402
+from medvqa.model import embed_prompt, image_digest, image_key  # noqa: E402
+from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,17 @@ def test_llama_cpp_logits_follow_transformers(pipelines):
     llama, reference = pipelines
     image = _image(0)
     prompt = reference.prompts.build("What organ is shown in this image?")
-    keyed = [-7 if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]
-    tokens = llama.image_tokens(image)[0].float().numpy()
-    slot = llama.decoder._take_slot(keyed)
+    request = EngineRequest("", prompt, image, -7, lambda: llama.model.image_tokens(image))
+    keyed = request.cache_ids()
+    engine = llama.engine
+    slot = engine._take_slot(keyed)
     try:
-        ours, _ = llama.decoder._prefill(slot, keyed, prompt.token_ids, prompt.image_mask, tokens)
+        ours, _ = engine._prefill(slot, request, keyed)
     finally:
-        llama.decoder._give_back(slot)
-    embeds = reference._prompt_embeddings(image, prompt.token_ids, prompt.image_mask)
-    theirs = reference.decoder.prefill(embeds)[0][0].numpy()
+        engine._give_back(slot)
+    embeds = embed_prompt(reference.engine.language_model.embed, prompt.token_ids, prompt.image_mask,
+                          lambda: reference.model.image_tokens(image))
+    theirs = reference.engine.forward_embeds(embeds)[0][0].numpy()
     assert np.corrcoef(ours, theirs)[0, 1] > 0.98
     # llama.cpp also rounds activations to 8 bits inside its quantised products, so near-ties at the
     # top can swap order; each engine's choice is among the other's five best.
@@ -82,13 +86,13 @@ def test_warming_before_the_first_question_keeps_the_answer(pipelines):
     for warm in (False, True):  # the cold turn first: ending it takes the image out of the slots
         conversation = Conversation(image=_image(7))
         if warm:
-            assert llama.warm_next_turn(conversation) > llama.vision.num_tokens
+            assert llama.warm_next_turn(conversation) > llama.model.num_image_tokens
         turns.append(list(llama.ask(conversation, "Which side is abnormal?", constrained=False, max_new_tokens=8,
                                     warm=False, use_retrieval=False))[-1])
         llama.end_conversation(conversation)
     cold, warmed = turns
     assert warmed.answer == cold.answer
-    assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"] + llama.vision.num_tokens
+    assert warmed.timings["reused_tokens"] > cold.timings["reused_tokens"] + llama.model.num_image_tokens
 
 
 def test_a_question_prefilled_as_typed_keeps_the_answer_and_leaves_one_token(pipelines):
@@ -117,10 +121,10 @@ def test_ending_a_conversation_drops_its_scan_from_the_slots(pipelines):
     values with it (the shared system prompt stays), unless a one-shot caller keeps them."""
     llama, _ = pipelines
     image = _image(8)
-    key = llama._image_key(image_digest(image))
+    key = image_key(image_digest(image))
 
     def slots_holding():
-        return [slot for slot in llama.decoder._slots if key in slot.cached]
+        return [slot for slot in llama.engine._slots if key in slot.cached]
 
     conversation = Conversation(image=image)
     first = list(llama.ask(conversation, "Describe the image.", constrained=False, max_new_tokens=4,
@@ -133,7 +137,7 @@ def test_ending_a_conversation_drops_its_scan_from_the_slots(pipelines):
     assert again.answer == first.answer and again.timings["reused_tokens"] == first.timings["reused_tokens"] > 0
     llama.answer(image, "Describe the image.", use_retrieval=False, constrained=False)  # a one-shot keeps it
     assert slots_holding()
-    assert llama.decoder.forget(key) >= 1 and not slots_holding()
+    assert llama.engine.forget_image(key) >= 1 and not slots_holding()
 
 
 def test_interleaved_answers_match_answers_alone(pipelines):
@@ -157,7 +161,7 @@ def test_interleaved_answers_match_answers_alone(pipelines):
 
 def test_requantized_gguf_is_made_once_and_read_as_its_type(tmp_path):
     from medvqa.config import resolve_path
-    from medvqa.llama_engine import gguf_file_type, requantized_gguf
+    from medvqa.engines.llama_cpp import gguf_file_type, requantized_gguf
 
     source = resolve_path(load_settings("offline").decoder.name_or_path)
     assert requantized_gguf(source, "", tmp_path) == source
@@ -172,9 +176,9 @@ def test_requantized_gguf_is_made_once_and_read_as_its_type(tmp_path):
 
     import torch
 
-    from medvqa.pipeline import load_local_decoder
+    from medvqa.engines import load_engine
 
     settings = load_settings("offline")  # the app's own cache folder, as a user's start would use
     settings.decoder.engine, settings.decoder.llama_cpp_type = "llama.cpp", "Q8_0"
-    decoder = load_local_decoder(settings, torch.device("cpu"), torch.float32)
-    assert gguf_file_type(decoder.gguf_path) == "Q8_0" and decoder.gguf_path.startswith(settings.cache_dir)
+    engine = load_engine(settings, torch.device("cpu"), torch.float32)
+    assert gguf_file_type(engine.gguf_path) == "Q8_0" and engine.gguf_path.startswith(settings.cache_dir)

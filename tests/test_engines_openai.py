@@ -12,7 +12,7 @@ import pytest
 
 from medvqa.config import load_settings
 from medvqa.pipeline import Conversation, Done, Pipeline, Sources, Token
-from medvqa.remote import RemoteDecoder, RemoteError
+from medvqa.engines.openai import OpenAIEngine, RemoteError
 
 
 class StandIn(BaseHTTPRequestHandler):
@@ -79,29 +79,29 @@ def test_pipeline_streams_from_the_server_with_image_and_prompt(server):
 
 
 def test_server_error_and_timeout_and_unreachable_are_clear(server):
-    decoder = RemoteDecoder(_settings(server).decoder)
+    decoder = OpenAIEngine(_settings(server).decoder)
     image = np.zeros((8, 8, 3), dtype=np.uint8)
     messages = [{"role": "user", "content": "<image>\nQuestion: x"}]
     StandIn.mode = "error"
     with pytest.raises(RemoteError, match="HTTP 500"):
-        list(decoder.stream(messages, image))
+        list(decoder.stream_messages(messages, image))
     StandIn.mode = "slow"
-    slow = RemoteDecoder(_settings(server, timeout=0.5).decoder)
+    slow = OpenAIEngine(_settings(server, timeout=0.5).decoder)
     with pytest.raises(RemoteError, match="did not answer within 0.5 s"):
-        list(slow.stream(messages, image))
-    gone = RemoteDecoder(_settings("http://127.0.0.1:9/v1").decoder)
+        list(slow.stream_messages(messages, image))
+    gone = OpenAIEngine(_settings("http://127.0.0.1:9/v1").decoder)
     with pytest.raises(RemoteError, match="Cannot reach"):
-        list(gone.stream(messages, image))
+        list(gone.stream_messages(messages, image))
 
 
 def test_missing_base_url_is_explained():
     settings = _settings("")
     with pytest.raises(RemoteError, match="MEDVQA_DECODER__BASE_URL"):
-        RemoteDecoder(settings.decoder)
+        OpenAIEngine(settings.decoder)
 
 
 def test_the_image_part_goes_where_the_prompt_puts_the_image():
-    from medvqa.remote import to_openai_messages
+    from medvqa.engines.openai import to_openai_messages
 
     image = np.zeros((8, 8, 3), dtype=np.uint8)
     first = to_openai_messages([{"role": "user", "content": "<image>\nQuestion: Is it normal?"}], image)

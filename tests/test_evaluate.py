@@ -46,7 +46,7 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
 
 def test_results_are_named_by_the_weights_llama_cpp_runs():
     from medvqa.config import load_settings
-    from medvqa.pipeline import engine_label
+    from medvqa.engines import engine_label
 
     settings = load_settings("offline")
     settings.decoder.engine = "llama.cpp"

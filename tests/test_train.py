@@ -17,9 +17,10 @@ from PIL import Image
 from medvqa.datasets import VQAExample
 from medvqa.projector import Projector, read_metadata
 from medvqa.prompt import PromptBuilder
-from medvqa.training import (LoRALinear, Standardized, add_lora, augmented, batch_loss, channel_statistics,
-                             make_example, merge_lora, prefix_cache_tensors, shared_prefix_length,
-                             training_answer)
+from medvqa.config import resolve_path
+from medvqa_train.data import augmented, make_example, shared_prefix_length, training_answer
+from medvqa_train.experimental import LoRALinear, add_lora, merge_lora
+from medvqa_train.loss import Standardized, batch_loss, channel_statistics, prefix_cache_tensors
 
 from .conftest import REPO
 
@@ -42,7 +43,7 @@ def test_lora_adapters_start_as_the_frozen_model_and_merge_exactly(tiny_pipeline
     from transformers import AutoModelForCausalLM
 
     # A fresh copy of the tiny decoder (the shared pipeline's one must stay unadapted).
-    model = AutoModelForCausalLM.from_pretrained(tiny_settings.decoder.name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_path(tiny_settings.decoder.name_or_path), dtype=torch.float32)
     model.requires_grad_(False)
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     with torch.no_grad():
@@ -82,32 +83,8 @@ def test_answers_are_taught_in_one_spelling():
     assert [training_answer(a) for a in ("CT", "left lung", "T2")] == ["CT", "Left lung", "T2"]
 
 
-def test_image_after_the_question_changes_the_prompt_not_the_supervision(tiny_pipeline, tmp_path):
-    tokenizer = tiny_pipeline.decoder.tokenizer
-    before = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16)
-    after = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16, image_position="after")
-    text = after.build("Is it normal?").text
-    assert text.index("Question: Is it normal?") < text.index("<image>")
-    # Every example shares the tokens before the question; the image is not among them.
-    prefix = shared_prefix_length(after)
-    assert not any(after.build("Is it normal?").image_mask[:prefix])
-    assert after.build("x").token_ids[:prefix] == after.build("Why?").token_ids[:prefix]
-    assert after.build("x").token_ids[prefix] != after.build("Why?").token_ids[prefix]
-    example = VQAExample("0", tmp_path, "Is it normal?", "yes", "CLOSED")
-    features = torch.zeros(16, tiny_pipeline.vision.hidden_size)
-    taught = [make_example(builder, example, features, shared_prefix_length(builder))
-              for builder in (before, after)]
-    answers = [[label for label in item.labels if label != -100] for item in taught]
-    assert answers[0] == answers[1] and answers[0]  # the same answer tokens are taught
-    assert sum(taught[1].image_mask) == 4
-    both = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16, image_position="both").build("Is it normal?").text
-    assert both.index("Question: Is it normal?") < both.index("<image>") < both.rindex("Question: Is it normal?")
-    with pytest.raises(ValueError, match="image_position"):
-        PromptBuilder(tokenizer, 4, 512, image_position="middle")
-
-
 def test_a_held_out_set_of_whole_images_leaves_all_their_questions_out(tmp_path):
-    from medvqa.training import held_out_images
+    from medvqa_train.data import held_out_images
 
     examples = [VQAExample(str(i), tmp_path / f"{i // 3}.png", f"Question {i}?", ("yes", "no", "Liver")[i % 3],
                            "OPEN" if i % 3 == 2 else "CLOSED") for i in range(60)]  # 20 images, 3 questions each
@@ -122,18 +99,18 @@ def test_a_held_out_set_of_whole_images_leaves_all_their_questions_out(tmp_path)
 def _loss_setup(tiny_pipeline, tmp_path, rows):
     """Training examples for (question, answer, kind, features) rows on the tiny models, with what
     batch_loss needs: (decoder, projector, examples, prefix_kv, prefix, Yes/No token ids)."""
-    decoder = tiny_pipeline.decoder
+    decoder = tiny_pipeline.engine.language_model
     builder = PromptBuilder(decoder.tokenizer, 4, 512, reserve_for_answer=16)
     prefix = shared_prefix_length(builder)
     made = [make_example(builder, VQAExample(str(i), tmp_path, question, answer, kind), features, prefix)
             for i, (question, answer, kind, features) in enumerate(rows)]
     choices = tuple(decoder.tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("Yes", "No"))
-    return decoder, tiny_pipeline.projector, made, prefix_cache_tensors(decoder, builder, prefix), prefix, choices
+    return decoder, tiny_pipeline.model.projector, made, prefix_cache_tensors(decoder, builder, prefix), prefix, choices
 
 
 def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
     torch.manual_seed(0)
-    features = torch.randn(16, tiny_pipeline.vision.hidden_size)
+    features = torch.randn(16, tiny_pipeline.model.vision.hidden_size)
     decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
         tiny_pipeline, tmp_path, [("Is it normal?", "YES", "CLOSED", features),
                                   ("Is there a mass?", "no", "CLOSED", features),
@@ -152,7 +129,7 @@ def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline
 
 def test_image_contrast_loss_compares_each_yes_no_answer_with_another_image(tiny_pipeline, tmp_path):
     torch.manual_seed(0)
-    bright, dark = torch.randn(16, tiny_pipeline.vision.hidden_size), torch.randn(16, tiny_pipeline.vision.hidden_size)
+    bright, dark = torch.randn(16, tiny_pipeline.model.vision.hidden_size), torch.randn(16, tiny_pipeline.model.vision.hidden_size)
     decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
         tiny_pipeline, tmp_path, [("Is it normal?", "yes", "CLOSED", bright),
                                   ("Is there a mass?", "no", "CLOSED", dark),
@@ -198,7 +175,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "4", "--val", "4",
          "--eval-every", "2", "--standardize", "--match-text-scale", "--drop-image", "0.2",
-         "--image-position", "after", "--out", str(out)],
+         "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((out / "card.json").read_text())
@@ -208,9 +185,8 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert [entry["step"] for entry in watched] == [0, 2, 4]
     assert all(0.0 <= entry["yes_no_real"] <= 1.0 for entry in watched)
     assert int(read_metadata(out / "projector.safetensors")["steps"]) == 4
-    assert card["image_position"] == read_metadata(out / "projector.safetensors")["image_position"] == "after"
-    projector = Projector(tiny_pipeline.vision.hidden_size, tiny_settings.projector.hidden_size,
-                          tiny_pipeline.decoder.hidden_size)
+    projector = Projector(tiny_pipeline.model.vision.hidden_size, tiny_settings.projector.hidden_size,
+                          tiny_pipeline.engine.hidden_size)
     projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
 
     # Fine-tuning from those weights with the two-way yes/no loss.
@@ -230,7 +206,6 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert card["repeat"] == [2] and card["examples"] == 2 * (len(rows) - left_out)  # each shown twice
     assert card["steps"] == 2 and card["augment"] == 2
     assert card["held_out_by_image"] is True and card["held_out"] == 2
-    assert card["image_position"] == "after"  # taken from the --init file
 
     # Resuming that run from its checkpoint continues to the new step count.
     completed = subprocess.run(
@@ -255,7 +230,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert card["lora"] == 2 and card["steps"] == 2
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_settings.decoder.name_or_path, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(resolve_path(tiny_settings.decoder.name_or_path), dtype=torch.float32)
     tuned_decoder = AutoModelForCausalLM.from_pretrained(adapted / "decoder", dtype=torch.float32)
     base_weights, tuned_weights = base.state_dict(), tuned_decoder.state_dict()
     assert base_weights.keys() == tuned_weights.keys()  # a plain model: the adapters are merged

@@ -23,16 +23,10 @@ from typing import Iterator
 
 import numpy as np
 
-from .config import DecoderConfig
-from .decoder import answer_ids, derived_decoder_path
-
-
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from ..config import DecoderConfig
+from ..language_model import derived_decoder_path
+from .base import Detokenizer, Engine, EngineRequest, answer_ids, log_softmax, sample_next_token, shared_prefix, \
+    stop_token_ids
 
 
 def gguf_file_type(path: str | os.PathLike) -> str:
@@ -99,14 +93,16 @@ class _Slot:
     forget: set[int] = field(default_factory=set)  # image keys to drop once the slot is given back
 
 
-class LlamaCppDecoder:
-    """Implements the pipeline's local-decoder contract on llama.cpp (greedy or sampled, streamed).
+class LlamaCppEngine(Engine):
+    """The engine contract on llama.cpp (greedy or sampled, streamed).
 
     One context holds `slots` sequences, each with its own key/value stream. A generation takes the free
     slot whose cache shares the longest prefix with its prompt (its own conversation's previous turn,
     if still there) and holds the context lock for one decode call at a time, never across a yield,
     so concurrent answers interleave token by token.
     """
+
+    name = "llama.cpp"
 
     def __init__(self, gguf_path: str, tokenizer, config: DecoderConfig, n_threads: int | None = None,
                  slots: int = 8):
@@ -141,11 +137,8 @@ class LlamaCppDecoder:
         vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.hidden_size = int(llama_cpp.llama_model_n_embd(self.model))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
-        self.eos_ids = {int(llama_cpp.llama_vocab_eos(vocab)), int(llama_cpp.llama_vocab_eot(vocab))} - {-1}
-        for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-                self.eos_ids.add(token_id)
+        self.stop_ids = stop_token_ids(tokenizer, [int(llama_cpp.llama_vocab_eos(vocab)),
+                                                   int(llama_cpp.llama_vocab_eot(vocab))])
         self._tokens = llama_cpp.llama_batch_init(512, 0, 1)
         self._embeds = llama_cpp.llama_batch_init(512, self.hidden_size, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx)
@@ -172,8 +165,8 @@ class LlamaCppDecoder:
             while all(slot.busy for slot in self._slots):
                 self._slots_changed.wait()
             free = [slot for slot in self._slots if not slot.busy]
-            slot = max(free, key=lambda s: (_shared_prefix(s.cached, keyed_ids), -s.last_used))
-            if _shared_prefix(slot.cached, keyed_ids) == 0:
+            slot = max(free, key=lambda s: (shared_prefix(s.cached, keyed_ids), -s.last_used))
+            if shared_prefix(slot.cached, keyed_ids) == 0:
                 slot = min(free, key=lambda s: s.last_used)  # nothing to reuse: evict the oldest
             slot.busy = True
             return slot
@@ -188,7 +181,13 @@ class LlamaCppDecoder:
             slot.last_used = time.monotonic()
             self._slots_changed.notify()
 
-    def forget(self, key: int) -> int:
+    def forget(self, conversation_id: str, image_key: int | None = None) -> None:
+        """Slots are shared by content, not owned by a conversation: only an image's keys/values are
+        dropped (see forget_image)."""
+        if image_key is not None:
+            self.forget_image(image_key)
+
+    def forget_image(self, key: int) -> int:
         """Drop the keys/values of every slot from the first position holding `key` (an image's key in
         the keyed ids) on, keeping what precedes it (the shared system prompt): a conversation that
         ends takes its scan out of the cache. A slot in use is cleared when it is given back. Returns
@@ -255,18 +254,22 @@ class LlamaCppDecoder:
         self._lib.llama_memory_seq_rm(self._memory, slot.seq_id, length, -1)
         del slot.cached[length:]
 
-    def _prefill(self, slot: _Slot, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
-                 image_tokens: np.ndarray) -> tuple[np.ndarray, int]:
-        """Bring the slot to this prompt, keeping the longest cached prefix; return (logits, reused)."""
-        reused = min(_shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
+    def _prefill(self, slot: _Slot, request: EngineRequest, keyed_ids: list[int]) -> tuple[np.ndarray, int]:
+        """Bring the slot to this prompt, keeping the longest cached prefix; return (logits, reused).
+        The image's projected tokens are asked for only when its positions are not cached."""
+        token_ids, image_mask = request.prompt.token_ids, request.prompt.image_mask
+        reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
         self._truncate(slot, reused)
         position, image_row = reused, sum(image_mask[:reused])
+        image_tokens = None
         while position < len(token_ids):
             end, is_image = position, image_mask[position]
             while end < len(token_ids) and image_mask[end] == is_image:
                 end += 1
             last = end == len(token_ids)
             if is_image:
+                if image_tokens is None:
+                    image_tokens = request.image_tokens()[0].float().cpu().numpy()  # (N, d_l)
                 self._feed_embeddings(slot, image_tokens[image_row:image_row + end - position], last)
                 image_row += end - position
             else:
@@ -275,32 +278,27 @@ class LlamaCppDecoder:
             position = end
         return self._logits(), reused
 
-    # --- the decoder contract ---------------------------------------------------------------------
+    # --- the engine contract ---------------------------------------------------------------------
 
-    def stream(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool], image_tokens: np.ndarray,
-               *, max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               seed: int = 0, ignore_eos: bool = False, timings: dict | None = None) -> Iterator[str]:
+    def stream(self, request: EngineRequest, *, max_new_tokens: int | None = None, seed: int = 0,
+               timings: dict | None = None, ignore_eos: bool = False) -> Iterator[str]:
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        temperature = self.config.temperature if temperature is None else temperature
-        top_p = self.config.top_p if top_p is None else top_p
         rng = np.random.default_rng(seed)
+        keyed_ids = request.cache_ids()
         slot = self._take_slot(keyed_ids)
         try:
             with self._lock:
-                logits, reused = self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)
+                logits, reused = self._prefill(slot, request, keyed_ids)
             if timings is not None:
                 timings["reused_tokens"] = reused
-            generated: list[int] = []
-            printed = ""
+            detokenizer = Detokenizer(self.tokenizer)
             for step in range(max_new_tokens):
-                token = _choose(logits, temperature, top_p, rng)
-                if token in self.eos_ids and not ignore_eos:
+                token = sample_next_token(logits, self.config.temperature, self.config.top_p, rng)
+                if token in self.stop_ids and not ignore_eos:
                     break
-                generated.append(token)
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if not text.endswith("\ufffd") and len(text) > len(printed):
-                    yield text[len(printed):]
-                    printed = text
+                piece = detokenizer.push(token)
+                if piece:
+                    yield piece
                 if step == max_new_tokens - 1:
                     break
                 with self._lock:
@@ -310,64 +308,35 @@ class LlamaCppDecoder:
         finally:
             self._give_back(slot)
 
-    def extend(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
-               image_tokens: np.ndarray) -> int:
-        """Cache a prompt prefix without generating (the start of a conversation's next turn), in
-        the slot holding the longest part of it; returns the number of tokens reused."""
+    def prefill(self, request: EngineRequest) -> int:
+        """Cache the prompt without generating, in the slot holding the longest part of it."""
+        keyed_ids = request.cache_ids()
         slot = self._take_slot(keyed_ids)
         try:
             with self._lock:
-                return self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)[1]
+                self._prefill(slot, request, keyed_ids)
         finally:
             self._give_back(slot)
+        return len(keyed_ids)
 
-    def choose_answer(self, keyed_ids: list[int], token_ids: list[int], image_mask: list[bool],
-                      image_tokens: np.ndarray, candidates: list[str]) -> tuple[str, list[float]]:
-        """The candidate with the highest mean token log-probability after the prompt (see
-        Decoder.choose_answer)."""
+    def score_options(self, request: EngineRequest, answers: list[str]) -> list[float]:
+        keyed_ids = request.cache_ids()
         slot = self._take_slot(keyed_ids)
         try:
             with self._lock:
-                logits, _ = self._prefill(slot, keyed_ids, token_ids, image_mask, image_tokens)
+                logits, _ = self._prefill(slot, request, keyed_ids)
+                first = log_softmax(logits)
                 prompt_length = len(slot.cached)
                 scores = []
-                for candidate in candidates:
-                    ids = answer_ids(self.tokenizer, candidate)
-                    log_probs = [_log_softmax(logits)[ids[0]]]
+                for answer in answers:
+                    ids = answer_ids(self.tokenizer, answer)
+                    log_probs = [first[ids[0]]]
                     for index, token in enumerate(ids[:-1]):
                         self._feed_tokens(slot, [token], True)
                         slot.cached.append(token)
-                        log_probs.append(_log_softmax(self._logits())[ids[index + 1]])
+                        log_probs.append(log_softmax(self._logits())[ids[index + 1]])
                     self._truncate(slot, prompt_length)
                     scores.append(float(np.mean(log_probs)))
         finally:
             self._give_back(slot)
-        best = int(np.argmax(scores))
-        return candidates[best], scores
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    limit = min(len(a), len(b))
-    shared = 0
-    while shared < limit and a[shared] == b[shared]:
-        shared += 1
-    return shared
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max()
-    return shifted - np.log(np.exp(shifted).sum())
-
-
-def _choose(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    probs = np.exp(_log_softmax(logits / temperature))
-    if top_p < 1.0:
-        order = np.argsort(-probs)
-        cumulative = np.cumsum(probs[order])
-        keep = order[cumulative - probs[order] < top_p]
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask
-    return int(rng.choice(len(probs), p=probs / probs.sum()))
+        return scores

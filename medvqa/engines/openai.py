@@ -1,4 +1,4 @@
-"""Remote decoder: an OpenAI-compatible chat-completions server (vLLM, SGLang, llama.cpp's server).
+"""The OpenAI-compatible engine: a remote chat-completions server (vLLM, SGLang, llama.cpp's server).
 
 When a deployment outgrows one process, the exported LLaVA checkpoint (scripts/export_hf.py) is
 served by such a server and the app sends it the windowed image plus the assembled prompt, retrieved
@@ -17,9 +17,10 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from .config import DecoderConfig
-from .prompt import IMAGE_PLACEHOLDER
-from .vision import pad_to_square
+from ..config import DecoderConfig
+from ..prompt import IMAGE_PLACEHOLDER
+from ..vision import pad_to_square
+from .base import Engine, EngineRequest
 
 
 class RemoteError(RuntimeError):
@@ -35,7 +36,7 @@ def image_data_url(image: np.ndarray) -> str:
 
 def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
     """Our messages (image placeholder inside the first user text) -> OpenAI content parts, the image
-    part where the placeholder was (before or after the question: prompt.IMAGE_POSITIONS)."""
+    part where the placeholder was."""
     converted = []
     for message in messages:
         content = message["content"]
@@ -51,7 +52,15 @@ def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
     return converted
 
 
-class RemoteDecoder:
+class OpenAIEngine(Engine):
+    """The server runs the whole vision-language model and keeps its own prefix cache: it is sent the
+    windowed image and the assembled messages, passages included."""
+
+    name = "openai"
+    takes_image_tokens = False
+    caches_prompts = False
+    scores_options = False  # a chat-completions stream gives no scores of given answers
+
     def __init__(self, config: DecoderConfig, transport: httpx.BaseTransport | None = None):
         self.config = config
         if not config.base_url:
@@ -64,7 +73,12 @@ class RemoteDecoder:
         self.client = httpx.Client(base_url=config.base_url.rstrip("/"), headers=headers, transport=transport,
                                    timeout=httpx.Timeout(config.timeout_s, connect=min(10.0, config.timeout_s)))
 
-    def stream(self, messages: list[dict], image: np.ndarray, max_new_tokens: int | None = None) -> Iterator[str]:
+    def stream(self, request: EngineRequest, *, max_new_tokens: int | None = None, seed: int = 0,
+               timings: dict | None = None, ignore_eos: bool = False) -> Iterator[str]:
+        yield from self.stream_messages(request.prompt.messages, request.image, max_new_tokens)
+
+    def stream_messages(self, messages: list[dict], image: np.ndarray,
+                        max_new_tokens: int | None = None) -> Iterator[str]:
         body = {
             "model": self.config.remote_model or self.config.name_or_path,
             "messages": to_openai_messages(messages, image),

@@ -1,0 +1,300 @@
+"""What each event of the page does to the tab's session: upload, window, frame, warm, ask, stop, new
+conversation, transcript download.
+
+The handlers hold no session state themselves; every call gets the tab's `_Session` (or None before
+the first upload) and returns it. Each session's lock guards its fields and is never held across a
+yield or a model call. Turn-taking between sessions on the model is the pipeline's job: `Pipeline.ask`
+takes a first-come-first-served turn for each step of its events and `Pipeline.warm_next_turn` for
+its warming, so concurrent answers interleave token by token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import gradio as gr
+
+from ..config import Settings
+from ..imaging import ScanError, ScanLimits, Window, open_scan
+from ..pipeline import Done, Pipeline, Sources, Token
+from .render import _error_html, _error_message, _escape_model_text, _render_answer, _status
+from .session import _Answer, _Session
+from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
+from .uploads import _take_upload
+from .viewer import _PRESET_LABELS, _preset_value, _scan_meta, _slider_ranges, _viewer_html
+
+log = logging.getLogger(__name__)
+
+
+class _Handlers:
+    """The event handlers of one app, bound to its pipeline, settings and upload limit."""
+
+    def __init__(self, pipeline: Pipeline, settings: Settings, max_upload_mb: float):
+        self.pipeline = pipeline
+        self.settings = settings
+        self.limits = ScanLimits(max_bytes=int(max_upload_mb * 2**20))
+
+    # --- scan ------------------------------------------------------------------------------
+
+    def upload(self, payload: dict | None, session: _Session | None):
+        """Read the upload into memory, delete it, decode it; a new scan starts a new conversation."""
+        try:
+            data = _take_upload(payload, self.limits.max_bytes)
+            source = open_scan(data, self.limits)
+            scan = source.render()
+        except ScanError as error:
+            return (None, *self._viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
+        except Exception:  # noqa: BLE001 - the app must keep serving whatever the upload does
+            log.exception("upload failed")
+            return (None, *self._viewer_unchanged(session, _error_message("The scan could not be opened.")))
+        if session is not None:
+            with session.lock:
+                session.generation += 1
+            session.close()
+        session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan))
+        return (None, *self._viewer_update(session, controls=True))
+
+    def set_preset(self, preset: str, frame: float, session: _Session | None):
+        """A window preset from the dropdown; "custom" only means the sliders are in charge."""
+        if preset == "custom":
+            return self._viewer_unchanged(session)
+        return self._render(session, preset, frame)
+
+    def set_window(self, center: float, width: float, frame: float, session: _Session | None):
+        """A window set with the centre and width sliders."""
+        try:
+            window = Window(float(center), float(width), "user")
+        except (TypeError, ValueError):
+            return self._viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
+        return self._render(session, window, frame)
+
+    def set_frame(self, frame: float, session: _Session | None):
+        """Another frame of a multi-frame scan, in the window chosen so far."""
+        window = session.scan.window if session else None
+        if window is not None and window.name in ("file", "file-lut"):
+            window = None  # each frame with its own window from the file, as a viewer scrolls a stack
+        return self._render(session, window, frame)
+
+    def _render(self, session: _Session | None, window, frame):
+        """Render the session's scan anew; the model sees exactly what is shown from then on."""
+        if session is None:
+            return self._viewer_unchanged(None, _error_message("Please upload a scan first."))
+        try:
+            index = session.source.default_frame if frame is None else int(round(float(frame))) - 1
+            scan = session.source.render(window=window, frame=index)
+        except ScanError as error:
+            return self._viewer_unchanged(session, _error_message(str(error)))
+        except Exception:  # noqa: BLE001
+            log.exception("render failed")
+            return self._viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
+        with session.lock:
+            session.look_at(scan)
+        return self._viewer_update(session, controls=True)
+
+    def _viewer_update(self, session: _Session, controls: bool):
+        scan, source = session.scan, session.source
+        windowed = source.is_dicom and scan.window is not None
+        outputs = [_viewer_html(scan)]
+        if controls:
+            window = scan.window or Window(40, 400, "none")
+            center_range, width_max = _slider_ranges(source.default_window or window, window)
+            outputs += [
+                gr.Dropdown(choices=_PRESET_LABELS, value=_preset_value(window), visible=windowed),
+                gr.Slider(minimum=center_range[0], maximum=center_range[1], value=round(window.center, 3),
+                          visible=windowed),
+                gr.Slider(minimum=1, maximum=width_max, value=round(window.width, 3), visible=windowed),
+                gr.Slider(minimum=1, maximum=max(source.frame_count, 2), value=scan.frame_index + 1,
+                          visible=source.frame_count > 1, label=f"Frame (of {source.frame_count})"),
+            ]
+        outputs += [_scan_meta(scan), _copy(session.messages), session]
+        return tuple(outputs)
+
+    @staticmethod
+    def _viewer_unchanged(session: _Session | None, message: dict | None = None):
+        """Leave the viewer and its controls as they are; `message` (an error) goes to the chat."""
+        if message is not None and session is not None:
+            with session.lock:
+                session.messages.append(message)
+        messages = _copy(session.messages) if session is not None else ([message] if message else [])
+        return (gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), messages, session)
+
+    def warm(self, session: _Session | None, draft: str = "") -> None:
+        """Prepare the session's conversation for its next question (see Pipeline.warm_next_turn,
+        which takes its own turn on the model); with `draft`, the question as typed so far. Only a
+        speed-up: skipped while an answer runs (it warms the next turn itself), and a failure here
+        is logged, never shown; the question then prefills it all."""
+        if session is None or not self.settings.decoder.warm_next_turn:
+            return
+        with session.lock:
+            if session.current is not None:
+                return
+            conversation = session.conversation
+
+        def still_wanted() -> bool:  # asked once the model's turn comes: the wait may be long
+            with session.lock:
+                return session.conversation is conversation and session.current is None
+
+        try:
+            self.pipeline.warm_next_turn(conversation, draft or "", still_wanted=still_wanted)
+            with session.lock:
+                ended = session.conversation is not conversation
+            if ended:  # replaced while warming (the new scan, window or conversation has its own
+                self.pipeline.end_conversation(conversation)  # warming queued): drop what was cached
+        except Exception:  # noqa: BLE001 - an optimisation must never break the app
+            log.exception("warming the conversation failed")
+
+    # --- chat ------------------------------------------------------------------------------
+
+    def ask(self, question: str, session: _Session | None) -> Iterator[tuple[list[dict], str]]:
+        """Stream one answer: the question, then the answer token by token, then its sources."""
+        question = (question or "").strip()
+        if session is None:
+            yield [_error_message("Please upload a scan first, then ask about it.")], question
+            return
+        refusal = None
+        with session.lock:  # never held across a yield: a cancelled generator is not resumed
+            if session.current is not None:
+                refusal = "Please wait for the current answer, or press Stop."
+            elif not question:
+                refusal = "Please type a question about the image."
+            else:
+                answer = session.current = _Answer(question, session.scan)
+                generation = session.generation
+                session.messages.append({"role": "user", "content": _escape_model_text(question)})
+                reply = {"role": "assistant", "content": _status("Searching the literature…")}
+                session.messages.append(reply)
+            if refusal:
+                session.messages.append(_error_message(refusal))
+            snapshot = _copy(session.messages)
+        if refusal:
+            yield snapshot, question
+            return
+        yield snapshot, ""
+        try:
+            for update in self._stream(session, answer, generation, reply):
+                yield update, ""
+        finally:
+            with session.lock:
+                if session.generation == generation:
+                    session.current = None
+
+    def _stream(self, session: _Session, answer: _Answer, generation: int, reply: dict) -> Iterator[list[dict]]:
+        """The chat after each event of the pipeline's answer; ends quietly once the answer was
+        stopped or replaced (`generation` moved on)."""
+        conversation = session.conversation
+        events = self.pipeline.ask(conversation, answer.question, safe_meta=session.scan.safe_meta)
+        retrieval_failed = False
+        while True:
+            try:
+                event = next(events, None)
+            except Exception as error:  # noqa: BLE001 - shown in the chat; the app keeps serving
+                if _is_retrieval_error(error) and not answer.started and not retrieval_failed:
+                    # Answer without literature rather than not at all, and say so.
+                    log.warning("retrieval failed: %s", error)
+                    retrieval_failed = True
+                    answer.note = f"The literature search failed ({_short(error)}), so this answer has no sources."
+                    events = self.pipeline.ask(conversation, answer.question, use_retrieval=False,
+                                               safe_meta=session.scan.safe_meta)
+                    continue
+                text = _failure_text(error)
+                if not isinstance(error, ValueError):
+                    log.exception("answer failed")
+                with session.lock:
+                    if session.generation != generation:
+                        return
+                    reply["content"] = (_render_answer(answer, final=False) + "\n\n" if answer.text else "") + \
+                        _error_html(text)
+                    snapshot = _copy(session.messages)
+                yield snapshot
+                return
+            if event is None:
+                return
+            with session.lock:
+                if session.generation != generation:  # stopped, new conversation or new scan
+                    return
+                if isinstance(event, Sources):
+                    answer.passages = list(event.passages)
+                    answer.note = answer.note or event.note
+                    answer.in_prompt = event.in_prompt
+                    answer.started = True
+                    if not answer.text:  # passages shown only beside the answer arrive after it
+                        reply["content"] = _status("Answering…") if not (answer.passages and answer.in_prompt) \
+                            else _status(f"Answering with {len(answer.passages)} literature passage(s)…")
+                elif isinstance(event, Token):
+                    answer.text += event.text
+                    reply["content"] = _render_answer(answer, final=False)
+                elif isinstance(event, Done):
+                    answer.text, answer.passages, answer.window = event.answer, list(event.passages), event.window
+                    reply["content"] = _render_answer(answer, final=True)
+                    session.turns.append(answer.record())
+                snapshot = _copy(session.messages)
+            yield snapshot
+
+    def stop(self, session: _Session | None):
+        """End the running answer (Gradio cancels its generator); what it said so far is kept."""
+        if session is None:
+            return []
+        with session.lock:
+            if session.current is not None:
+                session.generation += 1
+                session.turns.append(session.current.record(stopped=True))
+                session.current = None
+                reply = session.messages[-1] if session.messages else None
+                if reply is not None and reply["role"] == "assistant":
+                    reply["content"] = str(reply["content"]) + "\n\n_(stopped)_"
+            return _copy(session.messages)
+
+    def new_conversation(self, session: _Session | None):
+        """Start over on the same scan: empty chat, no history, a fresh conversation id."""
+        if session is None:
+            return [], "", ""
+        with session.lock:
+            session.generation += 1
+            session.current = None
+            session.messages = []
+            session.turns = []
+            old = session.conversation
+            session.conversation = self.pipeline.new_conversation(session.scan)
+        self.pipeline.end_conversation(old)
+        return [], "", ""
+
+    def export(self, session: _Session | None):
+        """The transcript's download links, Markdown and JSON (the `/export` endpoint)."""
+        if session is None or not session.turns:
+            return "<p>Nothing to export yet: ask a question first.</p>", "", ""
+        with session.lock:
+            record = _transcript_record(session, self.settings)
+        markdown, as_json = export_markdown(record), _transcript_json(record)
+        return _download_links(markdown, as_json), markdown, as_json
+
+
+def _copy(messages: list[dict]) -> list[dict]:
+    """A snapshot of the chat for Gradio, so later edits to the session's messages do not leak into it."""
+    return [dict(message) for message in messages]
+
+
+# ── Errors during an answer: a message in the chat ──────────────────────────────────────────
+
+def _is_retrieval_error(error: BaseException) -> bool:
+    from ..retrieval import RetrievalError
+
+    return isinstance(error, RetrievalError)
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text[:300]
+
+
+def _failure_text(error: BaseException) -> str:
+    """What the chat says when an answer fails: the pipeline's own message for a bad question,
+    a hint for running out of memory, and never a traceback."""
+    if isinstance(error, ValueError):  # the pipeline's own messages: empty or too long a question
+        return _short(error)
+    if isinstance(error, MemoryError):
+        return "The model ran out of memory on this question. Try a shorter question or a new conversation."
+    if _is_retrieval_error(error):
+        return f"The literature search failed: {_short(error)}"
+    return (f"The model could not answer ({type(error).__name__}). The app is still running; "
+            "try again or start a new conversation.")

@@ -1,0 +1,127 @@
+"""The page: its gr.Blocks layout, which event runs which handler, and how the app is served.
+
+Served privately by default: loopback only, uploads capped, no run history, telemetry, MCP or SSR.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gradio as gr
+
+from ..config import Settings
+from ..pipeline import Pipeline
+from .handlers import _Handlers
+from .session import _close_session
+from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
+
+NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
+          "wrong. Check every statement against the images and the cited literature; do not use it for "
+          "clinical decisions.")
+DEFAULT_CONCURRENCY = 8  # answers generated at once; their decoding steps take turns on the model
+
+_CSS = """
+#medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; color: #78350f; }
+.medvqa-viewer img { width: 100%; max-width: 640px; height: auto; image-rendering: auto; background: #000; }
+.medvqa-caption { font-size: 0.85em; opacity: 0.8; margin-top: 4px; }
+.medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
+.medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
+.medvqa-error { color: #b91c1c; }
+"""
+
+
+def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_mb: float = 100,
+              concurrency: int = DEFAULT_CONCURRENCY) -> gr.Blocks:
+    """The Blocks app around a loaded pipeline. Launch it with `launch()`."""
+    handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
+    retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
+                 else "off — answers are not grounded in literature")
+
+    with gr.Blocks(title="MedVQA", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+        gr.Markdown(f"# MedVQA\n{NOTICE}", elem_id="medvqa-notice")
+        session = gr.State(None, delete_callback=_close_session)
+        with gr.Row():
+            with gr.Column(scale=5):
+                upload = gr.File(label=f"Scan: DICOM, PNG or JPEG (up to {max_upload_mb:g} MB)",
+                                 file_count="single", type="filepath", height=140, elem_id="medvqa-upload")
+                viewer = gr.HTML(_EMPTY_VIEWER, elem_id="medvqa-viewer")
+                preset = gr.Dropdown(_PRESET_LABELS, value="file", label="Window preset", visible=False,
+                                     elem_id="medvqa-preset")
+                center = gr.Slider(-1100, 3000, value=40, step=1, label="Window centre", visible=False,
+                                   elem_id="medvqa-center")
+                width = gr.Slider(1, 4000, value=400, step=1, label="Window width", visible=False,
+                                  elem_id="medvqa-width")
+                frame = gr.Slider(1, 2, value=1, step=1, label="Frame", visible=False, elem_id="medvqa-frame")
+                with gr.Accordion("Scan metadata (non-identifying fields only)", open=False):
+                    meta = gr.JSON(show_label=False, elem_id="medvqa-meta")
+            with gr.Column(scale=7):
+                chatbot = gr.Chatbot(label="Conversation", height=520, elem_id="medvqa-chat",
+                                     latex_delimiters=[], feedback_options=None, buttons=["copy"],
+                                     placeholder="Upload a scan, then ask a question about it.")
+                question = gr.Textbox(label="Question", placeholder="e.g. Is there a pleural effusion?",
+                                      lines=2, max_lines=6, elem_id="medvqa-question")
+                with gr.Row():
+                    ask_button = gr.Button("Ask", variant="primary", elem_id="medvqa-ask")
+                    stop_button = gr.Button("Stop", variant="stop", elem_id="medvqa-stop")
+                    new_button = gr.Button("New conversation", elem_id="medvqa-new")
+                with gr.Accordion("Export conversation", open=False):
+                    transcript_button = gr.Button("Prepare Markdown and JSON", elem_id="medvqa-export")
+                    transcript_links = gr.HTML("", elem_id="medvqa-export-links")
+                    transcript_markdown = gr.Textbox(visible=False)
+                    transcript_json = gr.Textbox(visible=False)
+                gr.Markdown(f"Profile `{handlers.settings.profile}` · literature retrieval {retrieval}.")
+
+        viewer_outputs = [viewer, preset, center, width, frame, meta, chatbot, session]
+        # preprocess=False: the handler gets the upload's path and deletes the file itself; gr.File's
+        # own preprocessing would leave an (empty) temporary file in the cache for every upload.
+        # Gradio still checks that the path lies in its upload folder before the handler runs.
+        # Each change of what the model will see, and of the question being typed, is followed by
+        # warming: the image is encoded and the conversation's prompt up to the question (as typed
+        # so far) is prefilled while the clinician types. One warming runs at a time; keystrokes
+        # that arrive meanwhile collapse into the latest text.
+        warming = dict(fn=handlers.warm, inputs=[session, question], outputs=None, api_visibility="private",
+                       show_progress="hidden", concurrency_limit=1, concurrency_id="warm", queue=True)
+        upload.upload(handlers.upload, [upload, session], [upload, *viewer_outputs], preprocess=False,
+                      api_name="upload", concurrency_limit=2, concurrency_id="scan-decode").then(**warming)
+        preset.input(handlers.set_preset, [preset, frame, session], viewer_outputs, api_name="set_preset",
+                     concurrency_limit=4, concurrency_id="scan-render").then(**warming)
+        gr.on([center.release, width.release], handlers.set_window, [center, width, frame, session],
+              viewer_outputs, api_name="set_window", concurrency_limit=4, concurrency_id="scan-render",
+              trigger_mode="always_last").then(**warming)
+        frame.release(handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
+                      concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
+        question.input(**warming, trigger_mode="always_last")
+        answering = gr.on([ask_button.click, question.submit], handlers.ask, [question, session],
+                          [chatbot, question], api_name="ask", concurrency_limit=concurrency,
+                          concurrency_id="answer", show_progress="hidden")
+        stop_button.click(handlers.stop, [session], [chatbot], cancels=[answering], api_name="stop")
+        new_button.click(handlers.new_conversation, [session], [chatbot, question, transcript_links],
+                         cancels=[answering], api_name="new_conversation").then(**warming)
+        chatbot.clear(handlers.new_conversation, [session], [chatbot, question, transcript_links],
+                      cancels=[answering], api_visibility="private").then(**warming)  # the chat's bin icon too
+        # The endpoint keeps its name (/export): clients and tests call it.
+        transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],
+                                api_name="export")
+    demo.queue(default_concurrency_limit=4, max_size=16 * max(concurrency, 1))
+    return demo
+
+
+def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, max_upload_mb: float = 100,
+           auth: tuple[str, str] | None = None, block: bool = True, quiet: bool = False):
+    """Serve the app: loopback by default, uploads capped, no run history, telemetry, MCP or SSR."""
+    return demo.launch(
+        server_name=host, server_port=port, auth=auth, max_file_size=int(max_upload_mb * 2**20),
+        prevent_thread_lock=not block, quiet=quiet, show_error=False, ssr_mode=False, pwa=False,
+        mcp_server=False, enable_monitoring=False,
+        run_history=False,  # would keep every question and answer in the browser's storage
+        footer_links=["api"], css=_CSS,
+    )
+
+
+def auth_from_env(env: dict[str, str] | None = None) -> tuple[str, str] | None:
+    """(user, password) from MEDVQA_USERNAME / MEDVQA_PASSWORD, or None when neither is set."""
+    env = os.environ if env is None else env
+    user, password = env.get("MEDVQA_USERNAME", ""), env.get("MEDVQA_PASSWORD", "")
+    if bool(user) != bool(password):
+        raise ValueError("Set both MEDVQA_USERNAME and MEDVQA_PASSWORD to require a login, or neither.")
+    return (user, password) if user else None

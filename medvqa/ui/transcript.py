@@ -1,0 +1,93 @@
+"""The conversation download: one record of a session's turns, as Markdown and as JSON.
+
+Called "transcript" here because "export" in this project also names the LLaVA checkpoint export
+(medvqa/hf_export.py); the app's button and its API endpoint (`/export`) keep their names.
+
+The record holds questions, answers, citations and windows, never patient data or the image, and
+the downloads are inline data: links, so nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+from typing import TYPE_CHECKING
+
+from .render import _HTTP_URL, _MARKDOWN_SPECIAL, _escape_model_text
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..retrieval import Passage
+    from .session import _Session
+
+
+def _citation(n: int, passage: Passage) -> dict:
+    """Passage `n` of a turn as the record keeps it; a URL other than http(s) is left out."""
+    url = passage.url if isinstance(passage.url, str) and _HTTP_URL.match(passage.url) else ""
+    return {"n": n, "id": passage.id, "title": passage.title, "url": url, "source": passage.source,
+            "license": passage.license}
+
+
+def _transcript_record(session: _Session, settings: Settings) -> dict:
+    """The session's answered (and stopped) turns with what scan they were about, minus identity."""
+    source = session.source
+    return {
+        "tool": "MedVQA",
+        "notice": "Research tool, not a diagnosis.",
+        "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "profile": settings.profile,
+        "scan": {"format": source.source_format, "frames": source.frame_count,
+                 "modality": source.safe_meta.get("Modality", "")},
+        "turns": [dict(turn) for turn in session.turns],
+    }
+
+
+def _transcript_json(record: dict) -> str:
+    return json.dumps(record, indent=2, ensure_ascii=False)
+
+
+def export_markdown(record: dict) -> str:
+    """The record as a Markdown document a clinician can keep or paste."""
+    lines = ["# MedVQA conversation", "",
+             f"_{record['notice']}_ Exported {record['exported_at']} (profile `{record['profile']}`). "
+             "No patient data.", "",
+             f"Scan: {record['scan']['format'].upper()}"
+             + (f", {record['scan']['modality']}" if record['scan']['modality'] else "")
+             + f", {record['scan']['frames']} frame(s).", ""]
+    for number, turn in enumerate(record["turns"], start=1):
+        # Question and answer are escaped like in the chat: a link the model wrote stays text.
+        lines += [f"## {number}. {_escape_model_text(turn['question'])}", "",
+                  f"- Window: {turn['window']}; frame {turn['frame']}", "",
+                  _escape_model_text(turn["answer"]) or "_(no answer)_", ""]
+        if turn["stopped"]:
+            lines += ["_(stopped by the user before the answer was complete)_", ""]
+        if turn["citations"]:
+            lines.append("Sources:" if turn.get("citations_read_by_model", True) else
+                         "Related literature (not read by the model):")
+            lines += [_markdown_citation(citation) for citation in turn["citations"]]
+            lines.append("")
+        elif not turn["stopped"]:
+            lines += [f"No literature support. {turn.get('note', '')}".strip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _markdown_citation(citation: dict) -> str:
+    label = _MARKDOWN_SPECIAL.sub(r"\\\1", citation["title"] or citation["id"])
+    if not citation["url"]:
+        return f"{citation['n']}. {label}"
+    return f"{citation['n']}. [{label}](<{citation['url']}>) ({citation['id']})"
+
+
+def _download_link(name: str, mime: str, text: str, label: str) -> str:
+    encoded = base64.b64encode(text.encode("utf-8")).decode("ascii")
+    return f'<a download="{name}" href="data:{mime};charset=utf-8;base64,{encoded}">{html.escape(label)}</a>'
+
+
+def _download_links(markdown: str, as_json: str) -> str:
+    """The two downloads and a line saying what they hold (and do not)."""
+    return (f'<p>{_download_link("medvqa-conversation.md", "text/markdown", markdown, "Download Markdown")} · '
+            f'{_download_link("medvqa-conversation.json", "application/json", as_json, "Download JSON")}</p>'
+            f'<p class="medvqa-caption">The export holds questions, answers, citations and windows; '
+            f'no patient data, no image.</p>')

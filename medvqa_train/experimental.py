@@ -1,0 +1,114 @@
+"""Experiments that were measured and not shipped (docs/experiments.md): they stay runnable
+through scripts/train_projector.py's experimental flags, off by default.
+
+- A two-way Yes/No loss at the first answer position (--closed-weight).
+- An image-reliance hinge: each yes/no question asked again with another image of the batch
+  (--contrast-weight); the shuffled-image test as a training signal.
+- LoRA adapters on the decoder (--lora). The design keeps the decoder frozen; a LoRA run writes a
+  whole merged decoder for the transformers engine, never used by a profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from medvqa.language_model import LanguageModel
+
+
+def two_way_right(decoder: LanguageModel, hidden_rows: torch.Tensor, choices: tuple[int, int],
+                   wanted: torch.Tensor) -> torch.Tensor:
+    """Log-probability of the right one of the two answer tokens, per row, from (n, d_l) states (the
+    head has no bias in Llama-family models)."""
+    head = decoder.model.lm_head.weight[list(choices)]  # (2, d_l)
+    two_way = torch.log_softmax((hidden_rows @ head.T).float(), dim=-1)  # (n, 2)
+    return two_way.gather(1, wanted.unsqueeze(1)).squeeze(1)
+
+
+def image_contrast_loss(decoder: LanguageModel, projector, batch: list, rows: list[int],
+                        own: torch.Tensor, first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
+                        choices: tuple[int, int], margin: float) -> torch.Tensor:
+    """Mean hinge max(0, margin - (log p(right | own image) - log p(right | other image))) over the
+    batch's yes/no questions, in two-way (Yes/No) log-probabilities at the first answer position.
+
+    The other image is the next example's in the batch (cyclically), skipped where that is the same
+    image: the shuffled-image test of the evaluation, turned into a training signal. The other image
+    sometimes has the same right answer; the margin keeps that pull small (no gradient once the own
+    image leads by `margin`). `rows` are the yes/no rows, `own` their right answers' two-way
+    log-probabilities with their own image, `first` each row's first answer position."""
+    pairs = []  # (index into rows, partner example)
+    for k, row in enumerate(rows):
+        item = batch[row]
+        for step in range(1, len(batch)):
+            partner = batch[(row + step) % len(batch)]
+            if partner.features is not item.features and not torch.equal(partner.features, item.features):
+                pairs.append((k, partner))
+                break
+    if not pairs:
+        return own.new_zeros(())
+    kept = [k for k, _ in pairs]
+    paired_rows = [rows[k] for k in kept]
+    swapped = [dataclasses.replace(batch[rows[k]], features=partner.features, views=()) for k, partner in pairs]
+    from .loss import forward_hidden  # the loss module imports this one
+
+    other_hidden, _ = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
+    # Same token ids as the original rows, so the first answer sits at the same position.
+    wanted = torch.tensor([batch[row].yes_no for row in paired_rows])
+    other = two_way_right(decoder, other_hidden[torch.arange(len(kept)), first[paired_rows]], choices, wanted)
+    return torch.relu(margin - (own[kept] - other)).mean()
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a trained low-rank update (Hu et al., 2021, "LoRA"):
+    y = W x + b + (alpha / rank) B A x. B starts at zero, so training starts from the frozen model."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_a = torch.nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T * self.scale
+
+    def merged(self) -> torch.nn.Linear:
+        with torch.no_grad():
+            self.base.weight.add_(self.scale * self.lora_b @ self.lora_a)
+        return self.base
+
+
+def add_lora(model: torch.nn.Module, rank: int, alpha: float,
+             targets: tuple[str, ...] = LORA_TARGETS) -> list[torch.nn.Parameter]:
+    """Wrap every linear layer named in `targets` with a LoRA adapter; returns the new parameters
+    (the only ones that train in the decoder)."""
+    wrapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in targets and isinstance(child, torch.nn.Linear):
+                adapter = LoRALinear(child, rank, alpha)
+                setattr(parent, name, adapter)
+                wrapped += [adapter.lora_a, adapter.lora_b]
+    if not wrapped:
+        raise ValueError(f"no linear layer named {', '.join(targets)} to adapt")
+    return wrapped
+
+
+def merge_lora(model: torch.nn.Module) -> int:
+    """Fold every adapter into its linear layer, leaving a plain model of the original architecture
+    (what the inference engines load). Returns how many layers were merged."""
+    merged = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, child.merged())
+                merged += 1
+    return merged
+
+

@@ -1,0 +1,84 @@
+"""The event handlers called directly (medvqa/ui/handlers.py), where a client of the app cannot reach:
+an oversize file that got past Gradio's own limit, and the warming chained to each change of scan,
+window, frame or conversation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.register_assert_rewrite("tests.ui_helpers")  # so that its asserts explain their failures too
+
+from .conftest import prompt_gate  # noqa: E402
+from .ui_helpers import MAX_UPLOAD_MB, dicom_file, last_reply  # noqa: E402
+from .ui_helpers import ui_pipeline, ui_settings, upload_folder  # noqa: E402, F401 - fixtures
+
+
+def test_oversize_file_reaching_the_handler_is_refused_with_a_message(tmp_path, ui_pipeline, upload_folder):
+    """Where Gradio's own limit is off (or larger), the handler still refuses and says why."""
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "abc123"
+    folder.mkdir()
+    big = folder / "big.dcm"
+    big.write_bytes(b"\0" * (MAX_UPLOAD_MB * 2**20 + 1))
+    _, viewer, *_, chat, session = handlers.upload({"path": str(big)}, None)
+    assert "larger than the 1 MB upload limit" in last_reply(chat) and session is None
+    assert not folder.exists(), "the refused upload is deleted too"
+
+
+def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conversation(
+        ui_pipeline, upload_folder):
+    """What the app runs after a scan is shown (Handlers.warm, chained to upload, window, frame and
+    new conversation): the conversation's prompt up to the question is cached; nothing is cached
+    while an answer runs or for a conversation replaced while it warmed."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+
+    def upload_session():
+        folder = upload_folder / f"warm{len(list(upload_folder.iterdir()))}"
+        folder.mkdir()
+        path = shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm")
+        *_, session = handlers.upload({"path": str(path)}, None)
+        return session
+
+    session = upload_session()
+    handlers.warm(session)
+    state = ui_pipeline.engine.prefixes.get(session.conversation.id)
+    assert state is not None and len(state.ids) > ui_pipeline.model.vision.num_tokens
+    # Typing in the question box warms the prompt for the question so far, all but its last token.
+    with prompt_gate(ui_pipeline, "never"):  # the offline profile's: the question follows no passages
+        handlers.warm(session, "Is there an effusion?")
+    typed = ui_pipeline.engine.prefixes.get(session.conversation.id)
+    window = ui_pipeline._prompt_window(session.conversation)
+    prompt = ui_pipeline.prompts.build("Is there an effusion?", (), (), window)
+    assert len(typed.ids) == len(prompt) - 1 > len(state.ids)
+    session.close()
+
+    busy = upload_session()
+    busy.current = object()  # an answer is streaming: it warms its own next turn
+    handlers.warm(busy)
+    assert ui_pipeline.engine.prefixes.get(busy.conversation.id) is None
+    busy.current = None
+
+    replaced = upload_session()
+    old = replaced.conversation
+    original = ui_pipeline.warm_next_turn
+
+    def warm_while_the_window_changes(conversation, draft="", **options):
+        done = original(conversation, draft, **options)
+        replaced.look_at(replaced.scan)  # the clinician changed the window meanwhile
+        return done
+
+    ui_pipeline.warm_next_turn = warm_while_the_window_changes
+    try:
+        handlers.warm(replaced)
+    finally:
+        del ui_pipeline.warm_next_turn
+    assert ui_pipeline.engine.prefixes.get(old.id) is None and replaced.conversation is not old
+    replaced.close()
+
