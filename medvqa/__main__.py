@@ -1,4 +1,9 @@
-"""Command line: `python -m medvqa ask IMAGE "QUESTION"` and `python -m medvqa scan FILE`."""
+"""Command line (`medvqa`, or `python -m medvqa`):
+
+    medvqa ask IMAGE "QUESTION"          answer a question about an image
+    medvqa scan FILE                     the safe metadata, window and frames of a file
+    medvqa prompt "QUESTION"             the exact prompt text the profile's decoder would get
+"""
 
 from __future__ import annotations
 
@@ -22,12 +27,62 @@ def main(argv: list[str] | None = None) -> int:
     scan = commands.add_parser("scan", help="show the safe metadata, window and frames of a file")
     scan.add_argument("file")
 
+    prompt = commands.add_parser("prompt", help="print the prompt text the decoder would get (the image as "
+                                                "<image>; no model is loaded for formats that need no tokenizer)")
+    prompt.add_argument("question")
+    prompt.add_argument("--profile", choices=PROFILES, default=None)
+    prompt.add_argument("--history", default=None,
+                        help='earlier turns: a JSON file [{"question": ..., "answer": ...}, ...]')
+    prompt.add_argument("--passages", type=int, default=0,
+                        help="put N stand-in passages where retrieved literature goes")
+
     args = parser.parse_args(argv)
     if args.command == "scan":
         from .imaging import cli_scan
 
         return cli_scan(args.file)
+    if args.command == "prompt":
+        return _print_prompt(args)
     return _ask(args)
+
+
+def _print_prompt(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .config import load_settings
+    from .prompt import FORMATS, PromptBuilder, Turn
+
+    settings = load_settings(args.profile)
+    style = FORMATS[settings.decoder.conversation_format]
+    tokenizer = None
+    if style.uses_chat_template:  # the text comes from the decoder's own template
+        from transformers import AutoTokenizer
+
+        from .language_model import hub_offline_env, resolve_decoder_folder
+
+        hub_offline_env(settings.offline)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_decoder_folder(settings.decoder, settings.cache_dir))
+    try:
+        history = [Turn(turn["question"], turn["answer"]) for turn in
+                   json.loads(Path(args.history).read_text())] if args.history else []
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"error: --history needs a JSON list of {{\"question\", \"answer\"}} objects ({error})", file=sys.stderr)
+        return 2
+    passages = [_StandIn(f"(passage {n}: retrieved literature text)") for n in range(1, args.passages + 1)]
+    if passages and settings.retrieval.prompt_gate == "never":
+        print(f"note: the {settings.profile!r} profile shows passages beside the answer, never in the prompt "
+              f"(retrieval.prompt_gate = never); printed with them as asked.", file=sys.stderr)
+    builder = PromptBuilder(tokenizer, 0, format=style)
+    print(builder.render(builder.messages(args.question, history, passages)))
+    return 0
+
+
+class _StandIn:
+    """A passage as the prompt sees it (its text)."""
+
+    def __init__(self, text: str):
+        self.text = text
 
 
 def _ask(args) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROFILES = ("offline", "llava-med", "tiny")
+PROFILES = ("offline", "llava-med", "tiny", "tiny-llava-med")
 DEFAULT_PROFILE = "offline"
 # MEDVQA_* variables that are not setting overrides: read where they are used (the login by the app,
 # the API key by the openai engine, MEDVQA_NO_LLAMA by scripts/install.sh, MEDVQA_ARTIFACTS_DIR by the
@@ -35,6 +35,9 @@ class VisionConfig:
     image_size: int = 224  # square input side in pixels
     feature_layer: int = -2  # CLIP only: hidden state used (-2 = penultimate, as LLaVA)
     pooled_tokens: int = 0  # 0 keeps every patch token; n > 0 average-pools to a sqrt(n) x sqrt(n) grid
+    # What a non-square image is padded to a square with: black (the background of most scans), or the
+    # encoder's normalisation mean as LLaVA does (`image_aspect_ratio: "pad"`, expand2square).
+    pad: Literal["black", "mean"] = "black"
 
 
 @dataclass
@@ -58,7 +61,7 @@ class DecoderConfig:
     top_p: float = 1.0  # nucleus sampling mass when temperature > 0
     context_window: int = 2048  # tokens the prompt + answer may use
     load_in_8bit: bool = False  # bitsandbytes int8 (CUDA only)
-    load_in_4bit: bool = False  # bitsandbytes nf4 (CUDA only)
+    load_in_4bit: bool = False  # bitsandbytes nf4, double quantisation, fp16 compute, as LLaVA-Med (CUDA only)
     # llama.cpp engine: run the GGUF re-encoded once (into the cache folder) as this weight type, or
     # as given (""). x86 multiplies Q8_0 (llamafile sgemm) and Q4_0/IQ4_NL (repacked 8x8) with batched
     # kernels that Q4_1 lacks, so prompts prefill 1.4-2.5x faster; but every re-encoding moves some
@@ -71,7 +74,10 @@ class DecoderConfig:
     # Added to the score of "Yes" (a mean log-probability): corrects the decoder's lean towards one
     # answer, chosen on held-out training questions by scripts/tune_closed.py; 0 = off.
     yes_bias: float = 0.0
-    window_in_prompt: bool = True  # tell the decoder which window the scan is shown with
+    window_in_prompt: bool = True  # tell the decoder which window the scan is shown with (formats that allow it)
+    # How the chat becomes prompt text (prompt.FORMATS): "chat_template" (the tokenizer's, with the app's
+    # rules as system message) or "mistral_instruct" (LLaVA-Med v1.5's, rendered as its reference does).
+    conversation_format: Literal["chat_template", "mistral_instruct"] = "chat_template"
     warm_next_turn: bool = True  # after an answer, prefill the start of the next turn while the user reads
 
 
@@ -114,7 +120,7 @@ class RetrievalConfig:
 
 @dataclass
 class Settings:
-    profile: Literal["offline", "llava-med", "tiny"] = DEFAULT_PROFILE
+    profile: Literal["offline", "llava-med", "tiny", "tiny-llava-med"] = DEFAULT_PROFILE
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
@@ -157,13 +163,16 @@ def _llava_med_profile(cache_dir: str) -> Settings:
         profile="llava-med",
         cache_dir=cache_dir,
         vision=VisionConfig(kind="clip", name_or_path="openai/clip-vit-large-patch14-336",
-                            image_size=336, feature_layer=-2),
+                            image_size=336, feature_layer=-2, pad="mean"),
         # LLaVA-Med's own projector is 1024 -> 4096 -> 4096; its weights are mapped from the checkpoint.
         projector=ProjectorConfig(hidden_size=4096, weights="hub:microsoft/llava-med-v1.5-mistral-7b"),
         # The checkpoint's config says "llava_mistral", which transformers does not know; its
         # language-model weights load as a plain Mistral.
-        decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=4096,
-                              max_new_tokens=256, model_class="MistralForCausalLM"),
+        # Prompts as microsoft/LLaVA-Med renders --conv-mode mistral_instruct; its context is 2048 tokens
+        # (the checkpoint's tokenizer_model_max_length, and the reference builder's context_len).
+        decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=2048,
+                              max_new_tokens=256, model_class="MistralForCausalLM",
+                              conversation_format="mistral_instruct", window_in_prompt=False),
         # MedCPT is an asymmetric pair: questions and passages have their own encoders, CLS-pooled.
         retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder",
                                   passage_embedder="ncbi/MedCPT-Article-Encoder", pooling="cls",
@@ -185,7 +194,22 @@ def _tiny_profile(cache_dir: str) -> Settings:
     )
 
 
-_PROFILE_BUILDERS = {"offline": _offline_profile, "llava-med": _llava_med_profile, "tiny": _tiny_profile}
+def _tiny_llava_med_profile(cache_dir: str) -> Settings:
+    """The llava-med profile on tiny random models of its architectures (CLIP ViT, Mistral with the
+    Mistral-7B-Instruct-v0.2 chat template): every llava-med code path runs without its weights."""
+    settings = _llava_med_profile(cache_dir)
+    tiny_dir = Path(cache_dir) / "tiny"
+    settings.profile, settings.offline = "tiny-llava-med", True
+    settings.vision.name_or_path, settings.vision.image_size = f"tiny:{tiny_dir / 'clip'}", 32
+    settings.projector = ProjectorConfig(hidden_size=24)
+    settings.decoder.name_or_path = f"tiny:{tiny_dir / 'mistral'}"
+    settings.decoder.max_new_tokens, settings.decoder.context_window = 12, 1024
+    settings.retrieval = RetrievalConfig(index_name="default")  # MedCPT has no tiny weights: MiniLM's index
+    return settings
+
+
+_PROFILE_BUILDERS = {"offline": _offline_profile, "llava-med": _llava_med_profile, "tiny": _tiny_profile,
+                     "tiny-llava-med": _tiny_llava_med_profile}
 
 
 def load_settings(profile: str | None = None, config_file: str | os.PathLike | None = None,

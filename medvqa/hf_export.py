@@ -6,6 +6,12 @@ deployment that outgrows one process points them at the exported folder.
 The bottleneck projector (d_v -> h -> d_l with h < d_l) is exported exactly: LLaVA's projector is
 d_v -> d_l -> d_l, so `linear_1` gains d_l - h zero rows and `linear_2` as many zero columns. The
 extra hidden units compute GELU(0) = 0 and contribute nothing.
+
+What a server needs to load it as it is: `text_config.architectures` names the language model's own
+class (LLaVA-Med's checkpoint says `LlavaMistralForCausalLM`, which vLLM refuses), the original
+training code's `mm_*` and tokenizer keys are left out of the config, weights are written in bf16
+(half the size of fp32; what the servers run), and the processor's chat template is the profile's
+conversation format (prompt.FORMATS), so a server renders the prompt the model was trained with.
 """
 
 from __future__ import annotations
@@ -17,12 +23,27 @@ import torch
 from .config import Settings
 from .language_model import LanguageModel
 from .model import VisionLanguageModel
-from .prompt import IMAGE_PLACEHOLDER
+from .prompt import FORMATS, IMAGE_PLACEHOLDER, jinja_template
 from .vision import ClipVisionEncoder
 
 
 class ExportError(ValueError):
     pass
+
+
+# Keys of LLaVA's original training code that a checkpoint's language-model config carries; they mean
+# nothing to a Hugging Face Mistral or Llama config and are not exported.
+_TRAINING_CODE_KEYS = ("image_aspect_ratio", "image_grid_pinpoints", "tokenizer_model_max_length",
+                       "tokenizer_padding_side", "tune_mm_mlp_adapter", "freeze_mm_mlp_adapter", "use_mm_proj")
+
+
+def clean_text_config(language_config) -> dict:
+    """The language model's config as a plain Hugging Face config of its own class."""
+    config = language_config.to_dict()
+    for key in list(config):
+        if key.startswith("mm_") or key in _TRAINING_CODE_KEYS:
+            del config[key]
+    return config
 
 
 def padded_projector_state(projector, text_size: int) -> dict[str, torch.Tensor]:
@@ -53,7 +74,10 @@ def load_for_export(settings: Settings) -> tuple[VisionLanguageModel, LanguageMo
     return VisionLanguageModel.load(settings, device, dtype, language_model.hidden_size), language_model
 
 
-def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: str | Path, profile: str = "") -> Path:
+def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: str | Path, profile: str = "",
+                 conversation_format: str = "chat_template", dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the checkpoint and its processor to `out_dir`; `dtype` of the weights (bf16, or fp32
+    where exact comparison matters)."""
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     vision, projector = model.vision, model.projector
@@ -70,12 +94,13 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
     text_config = decoder.model.config
     vocab = max(text_config.vocab_size, len(tokenizer))
-    config = LlavaConfig(vision_config=vision.tower.config.to_dict(), text_config=text_config.to_dict(),
+    config = LlavaConfig(vision_config=vision.tower.config.to_dict(), text_config=clean_text_config(text_config),
                          image_token_index=image_token_id, projector_hidden_act="gelu",
                          vision_feature_select_strategy="default", vision_feature_layer=vision.feature_layer,
                          image_seq_length=vision.grid_tokens, multimodal_projector_bias=True,
                          tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)))
     config.text_config.vocab_size = vocab
+    config.text_config.architectures = [type(decoder.model).__name__]
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     model.model.vision_tower.load_state_dict(vision.tower.state_dict())
     language = decoder.model
@@ -86,7 +111,7 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
     model.lm_head.load_state_dict(language.lm_head.state_dict())
     model.model.multi_modal_projector.load_state_dict(
         padded_projector_state(projector, text_config.hidden_size))
-    model.save_pretrained(out_dir)
+    model.to(dtype).save_pretrained(out_dir)
 
     side = vision.image_size
     # The app pads every image to a square before it is sent, so a plain resize matches our preprocessing.
@@ -96,7 +121,8 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                patch_size=vision.tower.config.patch_size,
                                vision_feature_select_strategy="default", image_token=IMAGE_PLACEHOLDER,
-                               num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
+                               num_additional_image_tokens=1,
+                               chat_template=jinja_template(FORMATS[conversation_format]) or tokenizer.chat_template)
     processor.save_pretrained(out_dir)
     return out_dir
 

@@ -104,10 +104,7 @@ class LanguageModel(nn.Module):
         folder = resolve_decoder_folder(config, cache_dir)
         kwargs: dict = {"dtype": dtype, "local_files_only": offline}
         if device.type == "cuda" and (config.load_in_8bit or config.load_in_4bit):
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=config.load_in_8bit,
-                                                               load_in_4bit=config.load_in_4bit)
+            kwargs["quantization_config"] = quantization_config(config)
             kwargs["device_map"] = {"": device.index or 0}
         if device.type == "cuda":
             kwargs["attn_implementation"] = "sdpa"
@@ -152,6 +149,18 @@ class LanguageModel(nn.Module):
         """Plain forward pass (training and logit checks)."""
         return self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, labels=labels,
                           use_cache=False)
+
+
+def quantization_config(config: DecoderConfig):
+    """bitsandbytes settings for decoder.load_in_8bit / load_in_4bit. 4-bit is LLaVA-Med's own
+    (llava/model/builder.py): NF4 with double quantisation and fp16 compute, not bitsandbytes' default
+    FP4 with fp32 compute."""
+    from transformers import BitsAndBytesConfig
+
+    if config.load_in_4bit:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.float16)
+    return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def column_major_weights(model: nn.Module) -> int:

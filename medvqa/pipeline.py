@@ -36,7 +36,7 @@ from .engines import Engine, EngineRequest, load_engine
 from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .model import VisionLanguageModel, image_digest, image_key
-from .prompt import Prompt, PromptBuilder, Turn
+from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 
 
 @dataclass
@@ -123,7 +123,8 @@ class Pipeline:
         # An engine with no tokenizer renders its own template: prompts are then the messages alone.
         self.prompts = PromptBuilder(engine.tokenizer, model.num_image_tokens if model else 0,
                                      settings.decoder.context_window,
-                                     reserve_for_answer=settings.decoder.max_new_tokens)
+                                     reserve_for_answer=settings.decoder.max_new_tokens,
+                                     format=FORMATS[settings.decoder.conversation_format])
         self.turns = TurnTaking()
 
     @classmethod
@@ -319,7 +320,7 @@ class Pipeline:
         scripts/tune_closed.py)."""
         yes_bias = self.settings.decoder.yes_bias if yes_bias is None else yes_bias
         forms = [form for option in options for form in surface_forms(option)]
-        scores = np.asarray(self.engine.score_options(request, forms))
+        scores = np.asarray(self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms]))
         scores = scores + yes_bias * np.asarray([form == "Yes" for form in forms])
         return forms[int(np.argmax(scores))]
 
@@ -327,7 +328,7 @@ class Pipeline:
         """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""
         request = self._request(image, prompt, digest or image_digest(image))
         with self.turns.turn():
-            return self.engine.score_options(request, forms)
+            return self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms])
 
     def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
                constrained: bool | None = None, window: str = "",

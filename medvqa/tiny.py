@@ -1,4 +1,5 @@
-"""The `tiny` profile: random CLIP ViT + random Llama of the real architectures, for tests.
+"""The `tiny` profiles: random CLIP ViT + random Llama (`tiny`) or Mistral (`tiny-llava-med`) of the
+real architectures, for tests.
 
 Built deterministically from a seed in a few seconds and saved as ordinary Hugging Face folders, so
 every code path that loads `openai/clip-vit-large-patch14-336` or a Llama-family decoder runs
@@ -17,6 +18,17 @@ CHATML_TEMPLATE = (
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>", "<image>"]
+
+# Mistral-7B-Instruct-v0.2's chat template in its documented form (the one LLaVA-Med v1.5's tokenizer
+# came with): BOS, then [INST] user [/INST] answer</s> pairs; a system role raises.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
 
 _TRAINING_TEXT = """
 Is there a pleural effusion? yes no left right both. The chest x-ray shows the heart, lungs, liver,
@@ -43,15 +55,36 @@ def build_tokenizer():
     return tokenizer
 
 
+def build_mistral_tokenizer():
+    """A sentencepiece-style tokenizer as Mistral's: "▁" word marks, <s> added before every text,
+    </s> ending a turn, the Mistral-7B-Instruct-v0.2 chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<image>"],
+                                  show_progress=False)
+    core.train_from_iterator([_TRAINING_TEXT + " [INST] [/INST] Yes No"] * 4, trainer=trainer)
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                        special_tokens=[("<s>", core.token_to_id("<s>"))])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    return tokenizer
+
+
 def make_tiny_models(folder: str | Path, seed: int = 0, vision_width: int = 32, text_width: int = 48) -> Path:
-    """Write `folder/clip` (CLIPVisionModel + image processor) and `folder/llama` (LlamaForCausalLM +
-    tokenizer); return `folder`. Existing folders are reused."""
+    """Write `folder/clip` (CLIPVisionModel + image processor), `folder/llama` (LlamaForCausalLM +
+    a ChatML tokenizer) and `folder/mistral` (MistralForCausalLM + a Mistral-style tokenizer); return
+    `folder`. Existing folders are reused."""
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlamaConfig,
-                              LlamaForCausalLM)
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
     folder = Path(folder)
-    clip_dir, llama_dir = folder / "clip", folder / "llama"
-    if (clip_dir / "config.json").is_file() and (llama_dir / "config.json").is_file():
+    clip_dir, llama_dir, mistral_dir = folder / "clip", folder / "llama", folder / "mistral"
+    if all((path / "config.json").is_file() for path in (clip_dir, llama_dir, mistral_dir)):
         return folder
     torch.manual_seed(seed)
     vision_config = CLIPVisionConfig(hidden_size=vision_width, intermediate_size=2 * vision_width,
@@ -68,4 +101,13 @@ def make_tiny_models(folder: str | Path, seed: int = 0, vision_width: int = 32, 
                               pad_token_id=tokenizer.pad_token_id)
     LlamaForCausalLM(text_config).save_pretrained(llama_dir)
     tokenizer.save_pretrained(llama_dir)
+
+    tokenizer = build_mistral_tokenizer()
+    mistral_config = MistralConfig(vocab_size=len(tokenizer), hidden_size=text_width,
+                                   intermediate_size=2 * text_width, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=2048, sliding_window=None,
+                                   tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+    MistralForCausalLM(mistral_config).save_pretrained(mistral_dir)
+    tokenizer.save_pretrained(mistral_dir)
     return folder

@@ -32,6 +32,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, pooled_tokens: int = 0):
         super().__init__()
         self.pooled_tokens = pooled_tokens
+        self.pad_fill: tuple[int, int, int] = (0, 0, 0)  # colour a non-square image is padded with
 
     def freeze(self) -> "VisionEncoder":
         self.requires_grad_(False)
@@ -53,8 +54,9 @@ class VisionEncoder(nn.Module):
     def preprocess(self, images: list[np.ndarray]) -> torch.Tensor:
         """RGB uint8 images (H, W, 3) -> normalised pixel values (B, 3, S, S).
 
-        Each image is padded to a square with black (the background of most scans) before resizing,
-        so anatomy is never cropped away and aspect ratios are kept.
+        Each image is padded to a square (with `pad_fill`: black, the background of most scans, or the
+        normalisation mean as LLaVA pads) before resizing, so anatomy is never cropped away and
+        aspect ratios are kept.
         """
         batch = [self._to_square_tensor(image) for image in images]
         pixels = torch.stack(batch)  # (B, 3, S, S) in [0, 1]
@@ -65,7 +67,7 @@ class VisionEncoder(nn.Module):
     def _to_square_tensor(self, image: np.ndarray) -> torch.Tensor:
         if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
             raise ValueError(f"expected an RGB uint8 image (H, W, 3), got {image.dtype} {image.shape}")
-        resized = Image.fromarray(pad_to_square(image)).resize((self.image_size, self.image_size), Image.BICUBIC)
+        resized = Image.fromarray(pad_to_square(image, self.pad_fill)).resize((self.image_size, self.image_size), Image.BICUBIC)
         return torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1).float() / 255.0
 
     @torch.no_grad()
@@ -85,11 +87,15 @@ class VisionEncoder(nn.Module):
     grid_tokens: int
 
 
-def pad_to_square(image: np.ndarray) -> np.ndarray:
-    """Centre an (H, W, 3) image on a black square canvas; anatomy is never cropped."""
+def pad_to_square(image: np.ndarray, fill: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
+    """Centre an (H, W, 3) image on a square canvas of colour `fill`; anatomy is never cropped.
+
+    LLaVA's expand2square places the image at a random offset of (side - short) // 2 or one more in
+    training; centring at (side - short) // 2 is its evaluation-time choice made deterministic."""
     height, width = image.shape[:2]
     side = max(height, width)
-    canvas = np.zeros((side, side, 3), dtype=np.uint8)
+    canvas = np.empty((side, side, 3), dtype=np.uint8)
+    canvas[:] = fill
     top, left = (side - height) // 2, (side - width) // 2
     canvas[top:top + height, left:left + width] = image
     return canvas
@@ -173,6 +179,19 @@ def _clip_normalisation(name_or_path: str, offline: bool) -> tuple[tuple, tuple]
         return _CLIP_MEAN, _CLIP_STD
 
 
+def pad_colour(mean: tuple[float, float, float]) -> tuple[int, int, int]:
+    """LLaVA's padding colour: the normalisation mean as 8-bit RGB (int(x * 255), as mm_utils.py)."""
+    return tuple(int(channel * 255) for channel in mean)
+
+
+def pad_fill_for(config: VisionConfig) -> tuple[int, int, int]:
+    """The padding colour a profile's images get, for senders that do not load the encoder (the openai
+    engine pads before it sends): OpenAI CLIP's mean for a CLIP encoder padded with the mean."""
+    if config.pad == "mean":
+        return pad_colour(_CLIP_MEAN if config.kind == "clip" else EfficientNetLiteEncoder.mean)
+    return (0, 0, 0)
+
+
 def build_vision(config: VisionConfig, device: torch.device, dtype: torch.dtype,
                  offline: bool = True) -> VisionEncoder:
     if config.kind == "efficientnet_lite0":
@@ -183,4 +202,6 @@ def build_vision(config: VisionConfig, device: torch.device, dtype: torch.dtype,
                                     config.pooled_tokens, offline)
     else:
         raise ValueError(f"Unknown vision encoder kind {config.kind!r}; use 'efficientnet_lite0' or 'clip'.")
+    if config.pad == "mean":
+        encoder.pad_fill = pad_colour(encoder.mean)
     return encoder.to(device=device, dtype=dtype).freeze()

@@ -17,9 +17,10 @@ def main() -> int:
     parser.add_argument("--profile", choices=PROFILES, default="tiny")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model, decoder = load_for_export(load_settings(args.profile))
+    settings = load_settings(args.profile)
+    model, decoder = load_for_export(settings)
     try:
-        folder = export_llava(model, decoder, args.out, args.profile)
+        folder = export_llava(model, decoder, args.out, args.profile, settings.decoder.conversation_format)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -45,15 +45,13 @@ def test_the_kept_prefix_matches_its_cache_whether_the_answer_ended_or_was_cut(t
 def test_option_scores_are_the_mean_log_probability_of_the_whole_answer(tiny_pipeline):
     """An option is scored with its end-of-turn marker: "Right" is a complete answer, not the start
     of "Right kidney"."""
-    from medvqa.engines.base import answer_ids
-
     image = _image(4)
     prompt = tiny_pipeline.prompts.build("Which is bigger, liver or right kidney?")
     forms = ["Liver", "Right kidney"]
     scores = tiny_pipeline.option_scores(image, prompt, forms)
     decoder = tiny_pipeline.engine.language_model
     for form, score in zip(forms, scores):
-        ids = answer_ids(decoder.tokenizer, form)
+        ids = tiny_pipeline.prompts.answer_ids(form)
         assert ids[-1] == decoder.tokenizer.eos_token_id
         embeds = embed_prompt(decoder.embed, prompt.token_ids + ids, prompt.image_mask + [False] * len(ids),
                               lambda: tiny_pipeline.model.image_tokens(image))

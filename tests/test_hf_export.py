@@ -25,7 +25,7 @@ def test_export_matches_our_logits(tiny_pipeline, tmp_path):
     from medvqa.hf_export import export_llava
 
     language_model = tiny_pipeline.engine.language_model
-    folder = export_llava(tiny_pipeline.model, language_model, tmp_path / "llava", "tiny")
+    folder = export_llava(tiny_pipeline.model, language_model, tmp_path / "llava", "tiny", dtype=torch.float32)
     model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
     processor = LlavaProcessor.from_pretrained(folder)
     image = _image(7, shape=(32, 32))

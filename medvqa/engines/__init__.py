@@ -46,9 +46,10 @@ def load_engine(settings: Settings, device: torch.device, dtype: torch.dtype) ->
     engine = choose_engine(settings)
     config = settings.decoder
     if engine == "openai":
+        from ..vision import pad_fill_for
         from .openai import OpenAIEngine
 
-        return OpenAIEngine(config)
+        return OpenAIEngine(config, pad_fill=pad_fill_for(settings.vision))
     from ..language_model import LanguageModel, resolve_decoder_folder
 
     if engine == "llama.cpp":

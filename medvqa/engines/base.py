@@ -57,9 +57,9 @@ class Engine:
         `ignore_eos` generates exactly `max_new_tokens` (benchmarks)."""
         raise NotImplementedError
 
-    def score_options(self, request: EngineRequest, answers: list[str]) -> list[float]:
-        """Mean token log-probability of each complete answer (its end-of-turn token included)
-        after the prompt: constrained decoding of closed questions."""
+    def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
+        """Mean token log-probability of each answer's token ids (PromptBuilder.answer_ids: the end-of-
+        turn token included where the format says so) after the prompt: constrained decoding."""
         raise NotImplementedError(f"The {self.name} engine cannot score a closed set of answers.")
 
     def prefill(self, request: EngineRequest) -> int:
@@ -138,10 +138,3 @@ def stop_token_ids(tokenizer, declared=()) -> set[int]:
         if isinstance(token_id, int) and token_id is not None and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
     return ids
-
-
-def answer_ids(tokenizer, answer: str) -> list[int]:
-    """Token ids of a complete answer as the decoder is taught to end it: its words, then the end of
-    turn (the tokenizer's end-of-sequence token, which the chat templates close a turn with)."""
-    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])

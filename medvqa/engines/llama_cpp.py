@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import DecoderConfig
 from ..language_model import derived_decoder_path
-from .base import Detokenizer, Engine, EngineRequest, answer_ids, log_softmax, sample_next_token, shared_prefix, \
+from .base import Detokenizer, Engine, EngineRequest, log_softmax, sample_next_token, shared_prefix, \
     stop_token_ids
 
 
@@ -319,7 +319,7 @@ class LlamaCppEngine(Engine):
             self._give_back(slot)
         return len(keyed_ids)
 
-    def score_options(self, request: EngineRequest, answers: list[str]) -> list[float]:
+    def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
         keyed_ids = request.cache_ids()
         slot = self._take_slot(keyed_ids)
         try:
@@ -328,8 +328,7 @@ class LlamaCppEngine(Engine):
                 first = log_softmax(logits)
                 prompt_length = len(slot.cached)
                 scores = []
-                for answer in answers:
-                    ids = answer_ids(self.tokenizer, answer)
+                for ids in answers:
                     log_probs = [first[ids[0]]]
                     for index, token in enumerate(ids[:-1]):
                         self._feed_tokens(slot, [token], True)

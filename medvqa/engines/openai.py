@@ -27,14 +27,14 @@ class RemoteError(RuntimeError):
     """The model server failed; the message says how, in words a user can act on."""
 
 
-def image_data_url(image: np.ndarray) -> str:
+def image_data_url(image: np.ndarray, fill: tuple[int, int, int] = (0, 0, 0)) -> str:
     """The image padded to a square (as our own encoder sees it) as a PNG data URL."""
     buffer = io.BytesIO()
-    Image.fromarray(pad_to_square(image)).save(buffer, format="PNG")
+    Image.fromarray(pad_to_square(image, fill)).save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
+def to_openai_messages(messages: list[dict], image: np.ndarray, fill: tuple[int, int, int] = (0, 0, 0)) -> list[dict]:
     """Our messages (image placeholder inside the first user text) -> OpenAI content parts, the image
     part where the placeholder was."""
     converted = []
@@ -43,7 +43,7 @@ def to_openai_messages(messages: list[dict], image: np.ndarray) -> list[dict]:
         if message["role"] == "user" and IMAGE_PLACEHOLDER in content:
             before, after = (text.strip() for text in content.split(IMAGE_PLACEHOLDER, 1))
             parts = [{"type": "text", "text": before}] if before else []
-            parts.append({"type": "image_url", "image_url": {"url": image_data_url(image)}})
+            parts.append({"type": "image_url", "image_url": {"url": image_data_url(image, fill)}})
             if after:
                 parts.append({"type": "text", "text": after})
             converted.append({"role": "user", "content": parts})
@@ -61,8 +61,10 @@ class OpenAIEngine(Engine):
     caches_prompts = False
     scores_options = False  # a chat-completions stream gives no scores of given answers
 
-    def __init__(self, config: DecoderConfig, transport: httpx.BaseTransport | None = None):
+    def __init__(self, config: DecoderConfig, transport: httpx.BaseTransport | None = None,
+                 pad_fill: tuple[int, int, int] = (0, 0, 0)):
         self.config = config
+        self.pad_fill = pad_fill  # the profile's padding colour (vision.pad_fill_for)
         if not config.base_url:
             raise RemoteError("decoder.engine is 'openai' but decoder.base_url is empty; set "
                               "MEDVQA_DECODER__BASE_URL to the server, e.g. http://127.0.0.1:8000/v1.")
@@ -81,7 +83,7 @@ class OpenAIEngine(Engine):
                         max_new_tokens: int | None = None) -> Iterator[str]:
         body = {
             "model": self.config.remote_model or self.config.name_or_path,
-            "messages": to_openai_messages(messages, image),
+            "messages": to_openai_messages(messages, image, self.pad_fill),
             "max_tokens": max_new_tokens or self.config.max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,

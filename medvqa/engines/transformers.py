@@ -22,7 +22,7 @@ from ..cache import LRU
 from ..config import DecoderConfig
 from ..language_model import LanguageModel
 from ..model import embed_prompt
-from .base import Detokenizer, Engine, EngineRequest, answer_ids, log_softmax, sample_next_token, shared_prefix, \
+from .base import Detokenizer, Engine, EngineRequest, log_softmax, sample_next_token, shared_prefix, \
     stop_token_ids
 from .cpu_fast import LlamaDecodeStep
 
@@ -67,7 +67,7 @@ class TransformersEngine(Engine):
         fed = cache_length - len(keyed)
         self.prefixes.put(request.conversation_id, _Prefix(keyed + generated[:fed], cache))
 
-    def score_options(self, request: EngineRequest, answers: list[str]) -> list[float]:
+    def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
         if not answers:
             raise ValueError("score_options needs at least one answer")
         embeds = self._embeds(request)
@@ -76,8 +76,7 @@ class TransformersEngine(Engine):
             first = log_softmax(logits[0].cpu().numpy())
             prompt_length = embeds.shape[1]
             scores = []
-            for answer in answers:
-                ids = answer_ids(self.tokenizer, answer)
+            for ids in answers:
                 log_probs = [first[ids[0]]]
                 if len(ids) > 1:
                     positions = torch.arange(prompt_length, prompt_length + len(ids) - 1,

@@ -1,0 +1,287 @@
+"""The `llava-med` profile against microsoft/LLaVA-Med's reference implementation, on tiny random
+models of its architectures (profile `tiny-llava-med`: CLIP ViT + Mistral with the
+Mistral-7B-Instruct-v0.2 chat template). Each test pins one point of the reference:
+
+1. prompts: `--conv-mode mistral_instruct` (llava/conversation.py) rendered and tokenised as
+   `tokenizer_image_token` does (llava/mm_utils.py), never through the tokenizer's template;
+2. closed options scored without an end-of-turn token (LLaVA-Med answers in sentences);
+3. pad to square with the CLIP mean (`image_aspect_ratio: "pad"`, expand2square);
+4. an export servers load (architectures, bf16, no `mm_*` keys, the format as chat template);
+5. MedCPT retrieval (query length 64, [title, text] articles, inner product): test_retrieval_medcpt.py;
+6. 4-bit loading as the reference builder (NF4, double quantisation, fp16 compute);
+7. a 2048-token context.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from medvqa.config import load_settings
+from medvqa.model import embed_prompt
+from medvqa.pipeline import Conversation, Done, Pipeline
+from medvqa.prompt import FORMATS, PromptBuilder, Turn
+
+from .conftest import REPO
+
+QUESTION = "Is there a pleural effusion?"
+
+
+@pytest.fixture(scope="module")
+def llava_settings(tiny_cache):
+    settings = load_settings("tiny-llava-med", env={"MEDVQA_CACHE": str(tiny_cache)})
+    settings.retrieval.enabled = False
+    return settings
+
+
+@pytest.fixture(scope="module")
+def llava_pipeline(llava_settings):
+    return Pipeline.load(llava_settings, with_retrieval=False)
+
+
+def _image(seed: int, shape=(40, 30)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*shape, 3), dtype=np.uint8)
+
+
+def reference_token_ids(prompt_text: str, tokenizer, n_image_tokens: int) -> list[int]:
+    """What LLaVA-Med's tokenizer_image_token gives, image positions expanded to n_image_tokens
+    fillers (-1): every piece between <image> tokenised on its own with the tokenizer's special tokens,
+    the BOS kept from the first piece only."""
+    pieces = [tokenizer(piece).input_ids for piece in prompt_text.split("<image>")]
+    ids = [pieces[0][0]] if pieces[0] and pieces[0][0] == tokenizer.bos_token_id else []
+    skip = len(ids)
+    for index, piece in enumerate(pieces):
+        if index:
+            ids += [-1] * n_image_tokens
+        ids += piece[skip:]
+    return ids
+
+
+# --- 1. the conversation format -------------------------------------------------------------------
+
+def test_one_turn_is_the_reference_prompt_character_for_character(llava_pipeline):
+    prompt = llava_pipeline.prompts.build(QUESTION)
+    assert prompt.text == f"[INST] <image>\n{QUESTION} [/INST]"
+
+
+def test_later_turns_follow_the_llama_2_separator_style(llava_pipeline):
+    history = [Turn("Is there a pleural effusion?", "Yes, a small one on the left."), Turn("How large?", "Small.")]
+    prompt = llava_pipeline.prompts.build("Which side?", history)
+    assert prompt.text == ("[INST] <image>\nIs there a pleural effusion? [/INST] Yes, a small one on the left. </s>"
+                           "[INST] How large? [/INST] Small. </s>[INST] Which side? [/INST]")
+    assert prompt.text.count("<image>") == 1  # the image in the first turn only
+
+
+def test_tokens_match_tokenizer_image_token_with_one_bos(llava_pipeline):
+    tokenizer = llava_pipeline.engine.tokenizer
+    n = llava_pipeline.model.num_image_tokens
+    for history in ([], [Turn("Is there a pleural effusion?", "Yes."), Turn("How large?", "Small.")]):
+        prompt = llava_pipeline.prompts.build("Which side?", history)
+        ours = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+        assert ours == reference_token_ids(prompt.text, tokenizer, n)
+        assert ours[0] == tokenizer.bos_token_id and ours.count(tokenizer.bos_token_id) == 1
+
+
+def test_the_tokenizer_template_is_never_used(llava_pipeline):
+    """Mistral-7B-Instruct-v0.2's template raises on a system role; the format does not go through it."""
+    tokenizer = llava_pipeline.engine.tokenizer
+    with pytest.raises(Exception, match="roles"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "rules"}, {"role": "user", "content": "q"}],
+                                      tokenize=False)
+    assert llava_pipeline.prompts.build(QUESTION).messages[0]["role"] == "user"  # no system message
+
+
+def test_passages_go_after_the_question_and_only_add_to_the_reference(llava_pipeline):
+    class Passage:
+        text = "Pleural effusion is fluid in the pleural space."
+
+    prompt = llava_pipeline.prompts.build(QUESTION, passages=[Passage()])
+    assert prompt.text.startswith(f"[INST] <image>\n{QUESTION}\n")
+    assert prompt.text.endswith("<source id=1>Pleural effusion is fluid in the pleural space.</source> [/INST]")
+
+
+def test_the_prompt_command_prints_the_reference_prompt():
+    env = dict(os.environ, MEDVQA_PROFILE="llava-med")
+    completed = subprocess.run([sys.executable, "-m", "medvqa", "prompt", QUESTION], capture_output=True,
+                               text=True, env=env, cwd=REPO, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == f"[INST] <image>\n{QUESTION} [/INST]\n"
+
+
+def test_the_app_format_keeps_its_system_rules_and_question_line(tiny_pipeline):
+    """The offline and tiny profiles keep the chat-template format their projectors were trained with."""
+    prompt = tiny_pipeline.prompts.build(QUESTION)
+    assert prompt.messages[0]["role"] == "system" and f"Question: {QUESTION}" in prompt.text
+
+
+# --- 2. closed options ----------------------------------------------------------------------------
+
+def test_closed_options_are_scored_without_an_end_of_turn_token(llava_pipeline, tiny_pipeline):
+    tokenizer = llava_pipeline.engine.tokenizer
+    assert llava_pipeline.prompts.answer_ids("Yes") == tokenizer("Yes", add_special_tokens=False)["input_ids"]
+    assert tiny_pipeline.prompts.answer_ids("Yes")[-1] == tiny_pipeline.engine.tokenizer.eos_token_id
+    # The score is the mean log-probability of the option's own tokens after the prompt.
+    image = _image(1)
+    prompt = llava_pipeline.prompts.build(QUESTION)
+    scores = llava_pipeline.option_scores(image, prompt, ["Yes", "No"])
+    decoder = llava_pipeline.engine.language_model
+    for form, score in zip(["Yes", "No"], scores):
+        ids = llava_pipeline.prompts.answer_ids(form)
+        embeds = embed_prompt(decoder.embed, prompt.token_ids + ids, prompt.image_mask + [False] * len(ids),
+                              lambda: llava_pipeline.model.image_tokens(image))
+        with torch.no_grad():
+            log_probs = torch.log_softmax(decoder.forward(embeds).logits[0].float(), -1)
+        start = len(prompt.token_ids) - 1
+        assert score == pytest.approx(np.mean([log_probs[start + i, t].item() for i, t in enumerate(ids)]), abs=1e-4)
+
+
+# --- 3. pad to square ------------------------------------------------------------------------------
+
+def test_images_are_padded_with_the_clip_mean_as_llava_pads_them(llava_pipeline):
+    from PIL import Image
+    from transformers import CLIPImageProcessor
+
+    vision = llava_pipeline.model.vision
+    assert vision.pad_fill == tuple(int(x * 255) for x in vision.mean) == (122, 116, 104)
+    image = _image(2, shape=(40, 24))
+    # The reference: expand2square with the mean colour (centred), then the CLIP processor.
+    square = Image.new("RGB", (40, 40), vision.pad_fill)
+    square.paste(Image.fromarray(image), ((40 - 24) // 2, 0))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                   image_mean=list(vision.mean), image_std=list(vision.std), resample=3)
+    expected = processor(images=square, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(vision.preprocess([image]), expected, atol=2e-2, rtol=0)
+    corner = vision.preprocess([image])[0, :, 0, 0]  # padding, normalised: the mean maps to about 0
+    assert float(corner.abs().max()) < 0.02
+
+
+def test_the_openai_engine_pads_with_the_same_colour():
+    from medvqa.vision import pad_fill_for, pad_to_square
+
+    settings = load_settings("llava-med", env={})
+    assert pad_fill_for(settings.vision) == (122, 116, 104)
+    assert pad_fill_for(load_settings("offline", env={}).vision) == (0, 0, 0)
+    padded = pad_to_square(np.zeros((4, 2, 3), np.uint8), (122, 116, 104))
+    assert padded[0, 0].tolist() == [122, 116, 104] and padded[0, 1].tolist() == [0, 0, 0]
+
+
+# --- 4. the export ---------------------------------------------------------------------------------
+
+def test_the_export_is_one_servers_load(llava_pipeline, llava_settings, tmp_path):
+    from safetensors import safe_open
+
+    from medvqa.hf_export import export_llava
+
+    decoder = copy.deepcopy(llava_pipeline.engine.language_model)
+    # A LLaVA-Med checkpoint's language config carries its training code's keys.
+    decoder.model.config.mm_vision_tower = "openai/clip-vit-large-patch14-336"
+    decoder.model.config.mm_hidden_size = 1024
+    decoder.model.config.tokenizer_model_max_length = 2048
+    folder = export_llava(llava_pipeline.model, decoder, tmp_path / "export", "tiny-llava-med", "mistral_instruct")
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    assert text["architectures"] == ["MistralForCausalLM"] and text["model_type"] == "mistral"
+    assert not [key for key in text if key.startswith("mm_") or key == "tokenizer_model_max_length"]
+    (weights,) = folder.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as handle:
+        assert {handle.get_tensor(key).dtype for key in handle.keys()} == {torch.bfloat16}
+    template = json.loads((folder / "chat_template.json").read_text())["chat_template"] \
+        if (folder / "chat_template.json").is_file() else (folder / "chat_template.jinja").read_text()
+    from jinja2 import Template
+
+    rendered = Template(template).render(bos_token="<s>", messages=[
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
+    assert rendered == "<s>" + llava_pipeline.prompts.build(QUESTION).text
+
+
+def test_the_export_generates_what_the_pipeline_generates(llava_pipeline, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from medvqa.hf_export import export_llava
+
+    folder = export_llava(llava_pipeline.model, llava_pipeline.engine.language_model, tmp_path / "fp32",
+                          "tiny-llava-med", "mistral_instruct", dtype=torch.float32)
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    image = _image(3, shape=(32, 32))
+    conversation = Conversation(image=image)
+    ours = list(llava_pipeline.ask(conversation, "Describe the image.", use_retrieval=False, constrained=False,
+                                   max_new_tokens=8, warm=False))[-1]
+    assert isinstance(ours, Done)
+    prompt = llava_pipeline.prompts.build("Describe the image.")
+    ids = torch.tensor([[model.config.image_token_index if m else t
+                         for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+    pixels = llava_pipeline.model.vision.preprocess([image])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=8, do_sample=False,
+                             eos_token_id=llava_pipeline.engine.tokenizer.eos_token_id)
+    theirs = llava_pipeline.engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert theirs == ours.answer
+
+
+# --- 6, 7 and the device -----------------------------------------------------------------------------
+
+def test_4_bit_loading_is_the_references_nf4():
+    from medvqa.language_model import quantization_config
+
+    settings = load_settings("llava-med", env={})
+    settings.decoder.load_in_4bit = True
+    config = quantization_config(settings.decoder)
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == torch.float16
+
+
+def test_the_context_window_is_the_checkpoints():
+    assert load_settings("llava-med", env={}).decoder.context_window == 2048
+
+
+def test_apple_silicon_gets_mps_in_half_precision(monkeypatch):
+    from medvqa.device import pick_device, pick_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    device = pick_device("auto")
+    assert device.type == "mps" and pick_dtype(device) == torch.float16
+    assert pick_dtype(torch.device("cpu")) == torch.float32
+    assert pick_dtype(device, "float32") == torch.float32
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+def test_the_command_line_answers_on_the_tiny_llava_med_profile(tiny_cache, tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "scan.png"
+    Image.fromarray(_image(4)).save(path)
+    env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), MEDVQA_PROFILE="tiny-llava-med")
+    completed = subprocess.run([sys.executable, "-m", "medvqa", "ask", str(path), "Describe the image.",
+                                "--no-retrieval"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip()
+
+
+def test_the_web_app_answers_on_the_tiny_llava_med_profile(llava_pipeline, llava_settings, tmp_path):
+    """Upload, ask, answer through the real Gradio server with the mistral_instruct format."""
+    from PIL import Image
+
+    from medvqa.ui import build_app, launch
+
+    from .ui_helpers import client, last_reply, upload
+
+    path = tmp_path / "scan.png"
+    Image.fromarray(_image(5)).save(path)
+    demo = build_app(llava_pipeline, llava_settings, max_upload_mb=10)
+    _, url, _ = launch(demo, host="127.0.0.1", port=None, max_upload_mb=10, block=False, quiet=True)
+    try:
+        c = client(url)
+        upload(c, path)
+        chat, _ = c.predict(QUESTION, api_name="/ask")
+        assert last_reply(chat).split('<div class="medvqa-sources', 1)[0].strip()
+    finally:
+        demo.close()
