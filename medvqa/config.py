@@ -95,14 +95,20 @@ class RetrievalConfig:
     rrf_k: int = 60  # reciprocal rank fusion constant
     dense_weight: float = 1.0  # weight of the dense ranking in the fusion
     bm25_weight: float = 1.0  # weight of the BM25 ranking in the fusion
-    min_dense_score: float = 0.35  # cosine below which a passage is not relevant enough to cite
+    # The relevance cut-offs below are in the embedder's score units (cosine for MiniLM, raw inner product
+    # for MedCPT) and belong to one embedder: an index's manifest may carry calibrated ones
+    # (scripts/calibrate_retrieval.py --write), which then replace these. MiniLM's are as measured.
+    min_dense_score: float = 0.35  # score below which a passage is not relevant enough to cite
     # Off-topic gate: a question whose cosine with the corpus centroid is below min_topic_score gets no
     # sources unless some passage reaches strong_match_score. MiniLM on the default corpus: clinical
     # questions mostly 0.2-0.65 (a few 0.08-0.11, e.g. "dental caries", best passage 0.70); off-topic
     # ones -0.08-0.08 with best passages <= 0.54 ("capital of France" finds a hospital in France).
     min_topic_score: float = 0.15
     strong_match_score: float = 0.6
-    relevance_margin: float = 0.2  # also drop passages whose cosine is this far below the best candidate's
+    relevance_margin: float = 0.2  # also drop passages scoring this far below the best candidate
+    normalize: bool = True  # L2-normalised vectors (cosine); False: raw inner product, as MedCPT scores
+    query_max_tokens: int = 0  # truncate questions at this many tokens (MedCPT's query encoder: 64); 0 = model's
+    passage_title: bool = False  # encode passages as [title, text] pairs (MedCPT's article encoder)
     passage_embedder: str = ""  # passage-side encoder when it differs (MedCPT-Article-Encoder); "" = embedder
     pooling: Literal["auto", "cls", "mean", "max"] = "auto"  # "auto": the model's own; else for plain HF encoders
     device: str = "auto"  # embedder device: "auto" (cuda → mps → cpu), "cpu", "cuda", ...
@@ -173,10 +179,16 @@ def _llava_med_profile(cache_dir: str) -> Settings:
         decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=2048,
                               max_new_tokens=256, model_class="MistralForCausalLM",
                               conversation_format="mistral_instruct", window_in_prompt=False),
-        # MedCPT is an asymmetric pair: questions and passages have their own encoders, CLS-pooled.
+        # MedCPT as ncbi/MedCPT's reference uses it: an asymmetric pair, CLS-pooled, scored by raw inner
+        # product; questions truncated at 64 tokens, articles encoded as [title, text] pairs (512).
+        # MiniLM's cosine cut-offs mean nothing on that scale: none apply (the fused top-k is cited)
+        # until scripts/calibrate_retrieval.py --profile llava-med --write stores calibrated ones in the
+        # index manifest.
         retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder",
                                   passage_embedder="ncbi/MedCPT-Article-Encoder", pooling="cls",
-                                  index_name="medcpt"),
+                                  index_name="medcpt", normalize=False, query_max_tokens=64, passage_title=True,
+                                  min_dense_score=float("-inf"), min_topic_score=-1.0,
+                                  relevance_margin=float("inf")),
         offline=False,
     )
 

@@ -74,7 +74,8 @@ def run_quality(args) -> int:
         started = time.perf_counter()
         build_index([str(corpus)], index_dir, config.embedder, overwrite=True, progress=True,
                     passage_embedder=config.passage_embedder, pooling=config.pooling, device=config.device,
-                    chunk_tokens=config.chunk_tokens, chunk_overlap=config.chunk_overlap)
+                    chunk_tokens=config.chunk_tokens, chunk_overlap=config.chunk_overlap,
+                    normalize=config.normalize, passage_title=config.passage_title)
         print(f"built {index_dir} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     retriever = Retriever.open(replace(config, index_dir=str(index_root), index_name=name))
 

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.quiet, batch_size=args.batch_size,
             passage_embedder=config.passage_embedder if args.passage_embedder is None else args.passage_embedder,
             pooling=config.pooling, device=args.device or config.device,
-            chunk_tokens=config.chunk_tokens, chunk_overlap=config.chunk_overlap)
+            chunk_tokens=config.chunk_tokens, chunk_overlap=config.chunk_overlap, normalize=config.normalize,
+            passage_title=config.passage_title)
     except RetrievalError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -18,18 +18,23 @@ _cache_lock = threading.Lock()
 
 
 class Embedder:
-    """Encodes texts into L2-normalised float32 vectors, so inner product is cosine similarity."""
+    """Encodes texts (or [title, text] pairs) into float32 vectors: L2-normalised when `normalize`,
+    so inner product is cosine similarity; raw otherwise (MedCPT scores by raw inner product)."""
 
-    def __init__(self, model, name: str):
+    def __init__(self, model, name: str, normalize: bool = True):
         self.model = model
         self.name = name
+        self.normalize = normalize
         self.dimension = int(model.get_embedding_dimension())
         self.max_tokens = int(model.max_seq_length or 512)
         self._lock = threading.Lock()  # one tokenizer and one module graph: one call at a time
 
-    def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+    def encode(self, texts: list[str] | list[tuple[str, str]], batch_size: int = 64) -> np.ndarray:
+        """(B, d) vectors of texts, or of (title, text) pairs encoded as one [CLS] title [SEP] text [SEP]
+        input (MedCPT's article encoder), truncated to the model's max_seq_length."""
+        texts = [list(text) if isinstance(text, tuple) else text for text in texts]
         with self._lock:
-            vectors = self.model.encode(texts, batch_size=batch_size, normalize_embeddings=True,
+            vectors = self.model.encode(texts, batch_size=batch_size, normalize_embeddings=self.normalize,
                                         convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vectors, dtype=np.float32)  # (B, d)
 
@@ -40,8 +45,10 @@ class Embedder:
         return [len(row) for row in ids]
 
 
-def load_embedder(spec: str, device: str = "auto", pooling: str = "auto") -> Embedder:
-    """The embedder named by `spec` (folder, `pkg:` path or hub id), cached per process."""
+def load_embedder(spec: str, device: str = "auto", pooling: str = "auto", normalize: bool = True,
+                  max_tokens: int = 0) -> Embedder:
+    """The embedder named by `spec` (folder, `pkg:` path or hub id), cached per process; `max_tokens`
+    > 0 truncates inputs there (MedCPT's query encoder reads 64 tokens) instead of the model's own."""
     if pooling not in POOLING_MODES:
         raise RetrievalError(f"Unknown pooling {pooling!r}; choose one of {', '.join(POOLING_MODES)}.")
     try:
@@ -49,10 +56,13 @@ def load_embedder(spec: str, device: str = "auto", pooling: str = "auto") -> Emb
     except FileNotFoundError as error:
         raise RetrievalError(str(error)) from None
     device = _pick_device(device)
-    key = (path, device, pooling)
+    key = (path, device, pooling, normalize, max_tokens)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = Embedder(_load_model(spec, path, device, pooling), name=spec)
+            model = _load_model(spec, path, device, pooling, normalize)
+            if max_tokens > 0:
+                model.max_seq_length = max_tokens
+            _cache[key] = Embedder(model, name=spec, normalize=normalize)
         return _cache[key]
 
 
@@ -61,7 +71,7 @@ def _pick_device(preference: str) -> str:
     return str(pick_device(preference))
 
 
-def _load_model(spec: str, path: str, device: str, pooling: str):
+def _load_model(spec: str, path: str, device: str, pooling: str, normalize: bool = True):
     from sentence_transformers import SentenceTransformer
 
     local = Path(path).exists()
@@ -79,6 +89,7 @@ def _load_model(spec: str, path: str, device: str, pooling: str):
         from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
         transformer = Transformer(path)
         pool = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)
-        return SentenceTransformer(modules=[transformer, pool, Normalize()], device=device)
+        modules = [transformer, pool] + ([Normalize()] if normalize else [])
+        return SentenceTransformer(modules=modules, device=device)
     except (OSError, ValueError) as error:
         raise RetrievalError(f"Could not load the embedder {spec!r}: {error}") from None

@@ -48,18 +48,21 @@ HNSW_LIMIT = 2_000_000  # above this, full vectors (d x 4 bytes each) no longer 
 def build_index(corpus_files: list[str], index_dir: str | Path, embedder: str, *, append: bool = False,
                 faiss_type: str = "auto", progress: bool = True, batch_size: int = 64,
                 passage_embedder: str = "", pooling: str = "auto", device: str = "auto",
-                chunk_tokens: int = 200, chunk_overlap: int = 40, overwrite: bool = False) -> Path:
+                chunk_tokens: int = 200, chunk_overlap: int = 40, overwrite: bool = False,
+                normalize: bool = True, passage_title: bool = False) -> Path:
     """Build (or, with `append`, extend) the index at `index_dir` from JSONL corpus files.
 
     `embedder` encodes queries and is recorded in the manifest; `passage_embedder` encodes
-    passages when it differs (MedCPT's article encoder), "" meaning the same model.
+    passages when it differs (MedCPT's article encoder), "" meaning the same model. `normalize`
+    False keeps raw vectors (inner-product scoring); `passage_title` encodes [title, text] pairs.
     """
     index_dir = Path(index_dir)
     with _build_lock(index_dir):
         return _build(corpus_files, index_dir, embedder, append=append, faiss_type=faiss_type,
                       progress=progress, batch_size=batch_size, passage_embedder=passage_embedder,
                       pooling=pooling, device=device, chunk_tokens=chunk_tokens,
-                      chunk_overlap=chunk_overlap, overwrite=overwrite)
+                      chunk_overlap=chunk_overlap, overwrite=overwrite, normalize=normalize,
+                      passage_title=passage_title)
 
 
 def ensure_default_index(config: RetrievalConfig, progress: bool = True) -> Path:
@@ -81,7 +84,8 @@ def ensure_default_index(config: RetrievalConfig, progress: bool = True) -> Path
         return _build(config.corpus, index_dir, config.embedder, append=False, faiss_type=config.faiss_type,
                       progress=progress, batch_size=64, passage_embedder=config.passage_embedder,
                       pooling=config.pooling, device=config.device, chunk_tokens=config.chunk_tokens,
-                      chunk_overlap=config.chunk_overlap, overwrite=False)
+                      chunk_overlap=config.chunk_overlap, overwrite=False, normalize=config.normalize,
+                      passage_title=config.passage_title)
 
 
 def read_manifest(index_dir: Path) -> dict:
@@ -95,11 +99,14 @@ def read_manifest(index_dir: Path) -> dict:
         raise RetrievalError(f"The manifest {path} is damaged ({error}); rebuild the index.") from None
 
 
-def check_embedder(manifest: dict, embedder: str, passage_embedder: str, pooling: str, where: Path) -> None:
-    """Refuse an index whose vectors came from another model than the one configured."""
-    wanted = {"embedder": embedder, "passage_embedder": passage_embedder or embedder, "pooling": pooling}
+def check_embedder(manifest: dict, embedder: str, passage_embedder: str, pooling: str, where: Path,
+                   normalize: bool = True, passage_title: bool = False) -> None:
+    """Refuse an index whose vectors came from another model (or were made another way) than the one
+    configured."""
+    wanted = {"embedder": embedder, "passage_embedder": passage_embedder or embedder, "pooling": pooling,
+              "normalized": normalize, "passage_title": passage_title}
     for key, value in wanted.items():
-        stored = manifest.get(key)
+        stored = manifest.get(key, False if key == "passage_title" else None)
         if stored != value and _resolved(stored) != _resolved(value):
             raise RetrievalError(
                 f"The index at {where} was built with {key} {stored!r}, but {value!r} is configured; "
@@ -108,7 +115,8 @@ def check_embedder(manifest: dict, embedder: str, passage_embedder: str, pooling
 
 
 def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, progress, batch_size,
-           passage_embedder, pooling, device, chunk_tokens, chunk_overlap, overwrite) -> Path:
+           passage_embedder, pooling, device, chunk_tokens, chunk_overlap, overwrite, normalize=True,
+           passage_title=False) -> Path:
     if faiss_type not in FAISS_TYPES:
         raise RetrievalError(f"Unknown FAISS type {faiss_type!r}; choose one of {', '.join(FAISS_TYPES)}.")
     if not corpus_files:
@@ -117,7 +125,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
     if (index_dir / MANIFEST).is_file():
         if append:
             manifest = read_manifest(index_dir)
-            check_embedder(manifest, embedder, passage_embedder, pooling, index_dir)
+            check_embedder(manifest, embedder, passage_embedder, pooling, index_dir, normalize, passage_title)
             if faiss_type not in ("auto", manifest["faiss_type"]):
                 raise RetrievalError(f"The index at {index_dir} is {manifest['faiss_type']}; an append cannot "
                                      f"change it to {faiss_type}. Rebuild with --overwrite instead.")
@@ -127,7 +135,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
     elif append and index_dir.exists() and any(index_dir.iterdir()):
         raise RetrievalError(f"{index_dir} has no {MANIFEST}; it is not an index this app built.")
 
-    model = load_embedder(passage_embedder or embedder, device=device, pooling=pooling)
+    model = load_embedder(passage_embedder or embedder, device=device, pooling=pooling, normalize=normalize)
     max_tokens = min(chunk_tokens, model.max_tokens - 2)  # room for [CLS] and [SEP]
     staging = index_dir.parent / f".{index_dir.name}.building"
     shutil.rmtree(staging, ignore_errors=True)
@@ -170,10 +178,10 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
             kind = _choose_faiss_type(count, faiss_type)
             index, params = new_faiss_index(kind, model.dimension, count)
             if not index.is_trained:
-                _train(index, store, model, count, batch_size, progress)
+                _train(index, store, model, count, batch_size, progress, passage_title)
         vector_sum = load_vector_sum(index_dir, index) if manifest is not None else np.zeros(model.dimension)
         bar = tqdm(total=count - start, desc="Embedding", unit=" passages", disable=not progress)
-        for batch in store.texts(start, batch=1024):
+        for batch in store.texts(start, batch=1024, titles=passage_title):
             vectors = model.encode([text for _, text in batch], batch_size=batch_size)  # (B, d)
             index.add(vectors)
             vector_sum += vectors.sum(axis=0, dtype=np.float64)
@@ -200,7 +208,8 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
             "dimension": model.dimension,
             "count": count,
             "metric": "inner_product",
-            "normalized": True,
+            "normalized": normalize,
+            "passage_title": passage_title,
             "faiss_type": kind,
             "faiss_params": params,
             "corpus_checksum": _corpus_checksum(all_files),
@@ -210,6 +219,8 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
             "created": manifest["created"] if manifest else now,
             "updated": now,
         }
+        if manifest and "thresholds" in manifest:  # calibrated cut-offs stay with the embedder's vectors
+            new_manifest["thresholds"] = manifest["thresholds"]
         (staging / MANIFEST).write_text(json.dumps(new_manifest, indent=2))
         _swap_into_place(staging, index_dir)
     finally:
@@ -260,7 +271,8 @@ def training_size(index: faiss.Index, count: int) -> int:
     return int(min(count, max(40 * nlist, 50_000)))  # FAISS warns below 39 points a list
 
 
-def _train(index: faiss.Index, store: PassageStore, model, count: int, batch_size: int, progress: bool) -> None:
+def _train(index: faiss.Index, store: PassageStore, model, count: int, batch_size: int, progress: bool,
+           passage_title: bool = False) -> None:
     size = training_size(index, count)
     if count < faiss.extract_index_ivf(index).nlist * 4:
         raise RetrievalError(f"{count} passages are too few for IVF-PQ; use --faiss-type flat or hnsw.")
@@ -268,7 +280,9 @@ def _train(index: faiss.Index, store: PassageStore, model, count: int, batch_siz
     vectors = []
     for start in tqdm(range(0, size, 1024), desc="Training IVF-PQ sample", disable=not progress):
         found = store.get(rows[start:start + 1024].tolist())
-        vectors.append(model.encode([found[int(r)]["text"] for r in rows[start:start + 1024]], batch_size))
+        chosen = [found[int(r)] for r in rows[start:start + 1024]]
+        vectors.append(model.encode([(p["title"] or "", p["text"]) if passage_title else p["text"] for p in chosen],
+                                    batch_size))
     index.train(np.concatenate(vectors))  # (size, d)
 
 
@@ -312,6 +326,8 @@ def _build_lock(index_dir: Path):
 
 def _resolved(spec):
     from medvqa.config import resolve_path
+    if not isinstance(spec, str):
+        return spec
     try:
         path = Path(resolve_path(spec))
     except (FileNotFoundError, TypeError):

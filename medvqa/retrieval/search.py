@@ -72,6 +72,10 @@ class Retriever:
         self.store = store
         self.embedder = embedder
         self._faiss_lock = threading.Lock()
+        # Relevance cut-offs in this embedder's units: calibrated ones from the manifest win.
+        self.thresholds = {name: getattr(config, name) for name in THRESHOLDS}
+        self.thresholds.update({name: float(value) for name, value in (manifest.get("thresholds") or {}).items()
+                                if name in THRESHOLDS})
         centroid = load_vector_sum(index_dir, index)
         self.centroid = (centroid / max(np.linalg.norm(centroid), 1e-12)).astype(np.float32)  # (d,)
 
@@ -82,14 +86,16 @@ class Retriever:
         if manifest.get("format") != FORMAT_VERSION:
             raise RetrievalError(f"The index at {index_dir} has format {manifest.get('format')!r}; this app reads "
                                  f"format {FORMAT_VERSION}. Rebuild it with scripts/build_index.py --overwrite.")
-        check_embedder(manifest, config.embedder, config.passage_embedder, config.pooling, index_dir)
+        check_embedder(manifest, config.embedder, config.passage_embedder, config.pooling, index_dir,
+                       config.normalize, config.passage_title)
         if manifest.get("bm25", {}).get("stemmer") != STEMMER:
             raise RetrievalError(f"The BM25 index at {index_dir} was tokenised differently; rebuild it.")
         for name in (FAISS_FILE, STORE_FILE, BM25_DIR):
             if not (index_dir / name).exists():
                 raise RetrievalError(f"The index at {index_dir} is incomplete ({name} is missing); rebuild it "
                                      f"with scripts/build_index.py --overwrite.")
-        embedder = load_embedder(config.embedder, device=config.device, pooling=config.pooling)
+        embedder = load_embedder(config.embedder, device=config.device, pooling=config.pooling,
+                                 normalize=config.normalize, max_tokens=config.query_max_tokens)
         if embedder.dimension != manifest["dimension"]:
             raise RetrievalError(f"The embedder {config.embedder!r} gives {embedder.dimension}-dim vectors but the "
                                  f"index at {index_dir} holds {manifest['dimension']}-dim ones.")
@@ -116,11 +122,13 @@ class Retriever:
             return []
         rows = [row for row, _, _ in ranking.fused]
         vectors = self._vectors(rows)  # (C, d)
-        relevance = vectors @ ranking.question_vector  # (C,) cosine with the bare question
-        if (self.topic_score(ranking.question_vector) < self.config.min_topic_score
-                and float(relevance.max()) < self.config.strong_match_score):
+        relevance = vectors @ ranking.question_vector  # (C,) score with the bare question (cosine or inner product)
+        cut = self.thresholds
+        if (self.topic_score(ranking.question_vector) < cut["min_topic_score"]
+                and float(relevance.max()) < cut["strong_match_score"]):
             return []  # off-topic: no sources rather than bad ones
-        floor = max(self.config.min_dense_score, float(relevance.max()) - self.config.relevance_margin)
+        floor = max(cut["min_dense_score"], float(relevance.max()) - cut["relevance_margin"])
+        directions = _unit(vectors)  # near-duplicates are judged by cosine whatever the scoring
         relevant = [i for i in range(len(rows)) if relevance[i] >= floor]
         records = self.store.get([rows[i] for i in relevant])
         kept: list[Passage] = []
@@ -132,11 +140,11 @@ class Retriever:
             if record is None:
                 continue
             text_key = _normalise(record["text"])
-            if text_key in kept_texts or any(float(v @ vectors[i]) >= self.config.duplicate_cosine
+            if text_key in kept_texts or any(float(v @ directions[i]) >= self.config.duplicate_cosine
                                              for v in kept_vectors):
                 continue
             kept_texts.add(text_key)
-            kept_vectors.append(vectors[i])
+            kept_vectors.append(directions[i])
             kept.append(Passage(id=record["id"], text=record["text"], url=record["url"], title=record["title"],
                                 source=record["source"], license=record["license"], score=float(score),
                                 ranks=dict(ranks)))
@@ -146,7 +154,7 @@ class Retriever:
 
     def topic_score(self, question_vector: np.ndarray) -> float:
         """Cosine between a question and the corpus centroid: how much it is about what the corpus covers."""
-        return float(question_vector @ self.centroid)
+        return float(_unit(question_vector[None])[0] @ self.centroid)
 
     def rank(self, query: str, safe_meta: dict[str, str] | None = None, depth: int | None = None) -> Ranking:
         """Dense, BM25 and fused candidate lists, before the relevance cut and de-duplication."""
@@ -248,6 +256,14 @@ def _set_search_params(index: faiss.Index, kind: str, config: RetrievalConfig) -
         ivf = faiss.extract_index_ivf(index)
         ivf.nprobe = config.ivf_nprobe
         ivf.make_direct_map()  # reconstruct() by row, for the relevance cut and de-duplication
+
+
+THRESHOLDS = ("min_dense_score", "min_topic_score", "strong_match_score", "relevance_margin")
+
+
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (unchanged for an embedder that normalises already)."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
 def _normalise(text: str) -> str:

@@ -69,13 +69,17 @@ class PassageStore:
                                      [int(r) for r in rows]).fetchall()
         return {record[0]: _as_dict(record) for record in found}
 
-    def texts(self, start: int = 0, batch: int = 4096) -> Iterator[list[tuple[int, str]]]:
-        """(row, text) in row order from `start`, `batch` at a time (for embedding and BM25)."""
+    def texts(self, start: int = 0, batch: int = 4096, titles: bool = False) -> Iterator[list[tuple]]:
+        """(row, text) in row order from `start`, `batch` at a time (for embedding and BM25); with
+        `titles`, (row, (title, text)) for an embedder that reads [title, text] pairs."""
+        columns = "row, title, text" if titles else "row, text"
         while True:
             with self._lock:
                 found = self._db.execute(
-                    "SELECT row, text FROM passages WHERE row >= ? ORDER BY row LIMIT ?",
+                    f"SELECT {columns} FROM passages WHERE row >= ? ORDER BY row LIMIT ?",
                     (start, batch)).fetchall()
+            if titles:
+                found = [(row, (title or "", text)) for row, title, text in found]
             if not found:
                 return
             yield found
