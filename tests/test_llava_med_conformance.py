@@ -285,3 +285,20 @@ def test_the_web_app_answers_on_the_tiny_llava_med_profile(llava_pipeline, llava
         assert last_reply(chat).split('<div class="medvqa-sources', 1)[0].strip()
     finally:
         demo.close()
+
+
+def test_the_install_check_runs_on_the_tiny_llava_med_profile(tiny_cache):
+    """scripts/check_install.py, the user's check of a llava-med install, on the tiny fixture."""
+    from .conftest import require_shared_data
+
+    data = require_shared_data()
+    env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), MEDVQA_RETRIEVAL__ENABLED="false")
+    completed = subprocess.run([sys.executable, str(REPO / "scripts" / "check_install.py"), "--profile",
+                                "tiny-llava-med", "--n", "4", "--max-new-tokens", "4", "--json",
+                                "--data", str(data / "vqa_rad")],
+                               capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["n"] == 4 and result["n_closed"] == 2 and result["n_open"] == 2
+    assert 0.0 <= result["closed_accuracy"] <= 1.0 and result["ttft_p50_s"] is not None
+    assert "published for scale" in completed.stdout
