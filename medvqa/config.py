@@ -71,6 +71,9 @@ class DecoderConfig:
     cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
     cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (engines/cpu_fast.py)
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
+    # Also score a closed question's options with a neutral (blank) image, and say when the answer does
+    # not depend on the image (trust.image_reliance).
+    image_reliance: bool = True
     # Added to the score of "Yes" (a mean log-probability): corrects the decoder's lean towards one
     # answer, chosen on held-out training questions by scripts/tune_closed.py; 0 = off.
     yes_bias: float = 0.0

@@ -29,14 +29,15 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from .answers import closed_candidates, surface_forms
+from .answers import closed_candidates, normalise, surface_forms
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
 from .engines.base import shared_prefix
 from .language_model import hub_offline_env
-from .model import VisionLanguageModel, image_digest, image_key
+from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
+from .trust import claim, claim_query, image_reliance, mark_support
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Sources:
     passages: list  # retrieval.Passage, numbered [1..n] in this order
     note: str = ""  # why there are none, when there are none
     in_prompt: bool = True  # whether the decoder reads them (see retrieval.prompt_gate)
+    # Passages shown beside the answer are retrieved for its claim (trust.claim_query) after it and
+    # come marked: per passage ("supports" | "related", the phrase matched). Passages the decoder
+    # reads come before the answer, unmarked; their marks arrive with Done.
+    support: list = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +63,10 @@ class Done:
     window: str
     timings: dict = field(default_factory=dict)
     in_prompt: bool = True  # whether the passages were in the decoder's prompt
+    support: list = field(default_factory=list)  # per passage: ("supports" | "related", phrase matched)
+    # A closed answer's scores: {"options": {option: score}, and trust.image_reliance's keys when the
+    # options were also scored with a neutral image}; None for free text.
+    closed: dict | None = None
 
 
 @dataclass
@@ -89,6 +98,11 @@ class Conversation:
     def from_scan(cls, scan) -> "Conversation":
         describe = getattr(scan, "describe_window", None)
         return cls(image=scan.pixels, window=describe() if callable(describe) else "")
+
+
+# The prefix-cache key of prompts asked with the neutral (blank) image: one shared entry, since the
+# image is the same for everyone and the question is whichever was typed last.
+NEUTRAL_CONVERSATION = "neutral-image"
 
 
 class TurnTaking:
@@ -209,20 +223,20 @@ class Pipeline:
         start = time.perf_counter()
         in_prompt = self.passages_in_prompt(question)
 
-        def sources() -> Sources:
+        def sources(query: str) -> Sources:
             nonlocal passages
             began = time.perf_counter()
-            passages = self.retrieve(question, safe_meta) if use_retrieval else []
+            passages = self.retrieve(query, safe_meta) if use_retrieval else []
             timings["retrieval_s"] = time.perf_counter() - began
             note = "" if passages else ("No literature passage was relevant enough to cite."
                                         if use_retrieval and self.retriever is not None else "Retrieval is off.")
             return Sources(passages, note, in_prompt)
 
-        # Passages the decoder reads are found first; passages shown only as related literature are
-        # found after the answer, so they do not delay its first word.
+        # Passages the decoder reads are found first, for the question; passages shown beside the
+        # answer are found after it, for what it claims, so they do not delay its first word.
         passages: list = []
         if in_prompt:
-            yield sources()
+            yield sources(question)
 
         prompt_passages = passages if in_prompt else []
         prompt = self.prompts.build(question, conversation.history, prompt_passages, self._prompt_window(conversation))
@@ -235,9 +249,12 @@ class Pipeline:
         if constrained is None:
             constrained = self.settings.decoder.constrained_closed
         candidates = closed_candidates(question) if constrained and self.engine.scores_options else None
+        closed = None
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
-            pieces: Iterator[str] = iter([self.choose_closed(request, candidates)])
+            choice, scores = self._option_scores(request, candidates)
+            closed = {"options": scores}
+            pieces: Iterator[str] = iter([choice])
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
@@ -249,11 +266,21 @@ class Pipeline:
             yield Token(piece)
         answer = "".join(answer_parts).strip()
         timings.setdefault("ttft_s", time.perf_counter() - start)
+        asserted = claim(question, answer)
         if not in_prompt:
-            yield sources()
+            shown = sources(claim_query(question, answer, asserted))
+            shown.support = [mark_support(asserted, passage.text) for passage in passages]
+            yield shown
+        support = [mark_support(asserted, passage.text) for passage in passages]
+        if closed is not None and self.settings.decoder.image_reliance:
+            # Once the answer and its sources are out: whether its choice survives a neutral image.
+            began = time.perf_counter()
+            neutral = self._request(BLANK_IMAGE, prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION)
+            closed.update(image_reliance(closed["options"], self._option_scores(neutral, candidates)[1]))
+            timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
         conversation.history.append(Turn(question, answer, prompt_passages))
-        yield Done(answer, passages, conversation.window, timings, in_prompt)
+        yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
         # and types, the engine caches the start of the next turn, so the next question only has its
         # own words to prefill.
@@ -318,11 +345,20 @@ class Pipeline:
         """The option with the best score, each option scored in its best spelling (surface_forms);
         "Yes" gets `decoder.yes_bias` added (chosen on held-out training questions by
         scripts/tune_closed.py)."""
+        return self._option_scores(request, options, yes_bias)[0]
+
+    def _option_scores(self, request: EngineRequest, options: list[str],
+                       yes_bias: float | None = None) -> tuple[str, dict[str, float]]:
+        """(the best spelling of the best option, each option's best score)."""
         yes_bias = self.settings.decoder.yes_bias if yes_bias is None else yes_bias
         forms = [form for option in options for form in surface_forms(option)]
         scores = np.asarray(self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms]))
         scores = scores + yes_bias * np.asarray([form == "Yes" for form in forms])
-        return forms[int(np.argmax(scores))]
+        by_option: dict[str, float] = {}
+        for form, score in zip(forms, scores.tolist()):
+            option = normalise(form)
+            by_option[option] = max(score, by_option.get(option, float("-inf")))
+        return forms[int(np.argmax(scores))], by_option
 
     def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:
         """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""

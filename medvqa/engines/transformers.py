@@ -70,11 +70,15 @@ class TransformersEngine(Engine):
     def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
         if not answers:
             raise ValueError("score_options needs at least one answer")
-        embeds = self._embeds(request)
+        keyed = request.cache_ids()
+        # A conversation's cached prefix (the prompt warmed as the question was typed) is reused and
+        # kept; a request of no conversation is scored from scratch.
+        cache, reused = self._reusable_prefix(request.conversation_id, keyed) if request.conversation_id else (None, 0)
+        embeds = self._embeds(request)[:, reused:]
         with torch.inference_mode():
-            logits, cache = self.forward_embeds(embeds)
+            logits, cache = self.forward_embeds(embeds, cache, reused)
             first = log_softmax(logits[0].cpu().numpy())
-            prompt_length = embeds.shape[1]
+            prompt_length = len(keyed)
             scores = []
             for ids in answers:
                 log_probs = [first[ids[0]]]
@@ -87,6 +91,8 @@ class TransformersEngine(Engine):
                     step_log_probs = torch.log_softmax(out.logits[0].float(), -1)  # (len-1, V)
                     log_probs += [step_log_probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
                 scores.append(float(sum(log_probs) / len(log_probs)))
+        if request.conversation_id:
+            self.prefixes.put(request.conversation_id, _Prefix(keyed, cache))
         return scores
 
     def prefill(self, request: EngineRequest) -> int:
