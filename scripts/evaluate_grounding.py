@@ -1,0 +1,139 @@
+"""How checkable the app's answers are: citation support, support marks, closed answers against
+coverage and image reliance, on VQA-RAD, SLAKE or any JSONL split laid out like them.
+
+    python scripts/evaluate_grounding.py --dataset vqa-rad --split test [--limit N] [--json FILE]
+
+Per question the app answers as it does for a clinician (retrieval on, the profile's prompt gate,
+constrained closed answers with their image-reliance scores), and the script also retrieves for the
+question alone and for the question with the *reference* answer. The last line is one JSON object:
+
+- support_at_3: {"question_only", "app_query_reference"}: of the open questions whose reference is a
+  term (not yes/no, not a number), the share with a top-3 passage containing the reference answer,
+  retrieved for the question alone / with the app's citation query built from the reference answer
+  (trust.claim_query): what the corpus can support;
+- claim_support: the share of the model's own term answers (same questions) with a cited passage
+  marked "supports";
+- supported_precision: of passages marked "supports", the share containing the answer's terms or
+  listed synonyms (1.0 by construction; checked here on real data);
+- risk_coverage: {"1.0", "0.75", "0.5"}: closed accuracy over the answers with the largest option
+  margins at those coverages; abstention_rate: null (no abstention threshold is shipped: it would be
+  chosen on held-out training images, which the shipped projector does not have);
+- image_reliance: {"flagged", "accuracy_flagged", "accuracy_unflagged"} over closed answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from medvqa.answers import closed_correct, normalise
+from medvqa.config import PROFILES, load_settings
+
+
+def is_term(reference: str) -> bool:
+    text = normalise(reference)
+    return bool(text) and text not in ("yes", "no") and not re.fullmatch(r"[\d .]+", text)
+
+
+def contains(passages, phrase: str) -> bool:
+    wanted = f" {normalise(phrase)} "
+    return any(wanted in f" {normalise(passage.text)} " for passage in passages)
+
+
+def accuracy_at(rows: list[tuple[float, bool]], coverage: float) -> float | None:
+    ranked = sorted(rows, key=lambda row: -row[0])
+    kept = ranked[:max(1, round(coverage * len(ranked)))] if ranked else []
+    return round(sum(correct for _, correct in kept) / len(kept), 4) if kept else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=("vqa-rad", "slake", "jsonl"), required=True)
+    parser.add_argument("--data", default=None, help="dataset folder (default: ../shared/data/<dataset>)")
+    parser.add_argument("--split", required=True)
+    parser.add_argument("--limit", type=int, default=None, help="deterministic type-balanced subset of N")
+    parser.add_argument("--profile", choices=PROFILES, default="offline")
+    parser.add_argument("--engine", default=None, help="decoder engine (default: the profile's)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--json", default=None, help="write the summary object here")
+    args = parser.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from medvqa.datasets import load_examples, read_image
+    from medvqa.pipeline import Conversation, Done, Pipeline
+    from medvqa.trust import claim, claim_query
+
+    from evaluate import balanced_subset  # beside this script
+
+    settings = load_settings(args.profile)
+    if args.engine:
+        settings.decoder.engine = args.engine
+    pipeline = Pipeline.load(settings, with_retrieval=True)
+    examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
+    question_only = reference_query = claim_supported = terms = marked = marked_ok = 0
+    closed_rows: list[tuple[float, bool]] = []
+    reliance_rows: list[tuple[bool, bool]] = []
+    for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q", file=sys.stderr):
+        conversation = Conversation(image=read_image(example.image))
+        done = [event for event in pipeline.ask(conversation, example.question, max_new_tokens=args.max_new_tokens,
+                                                warm=False) if isinstance(event, Done)][-1]
+        pipeline.end_conversation(conversation, keep_image=True)
+        asserted = claim(example.question, done.answer)
+        for passage, (mark, _) in zip(done.passages, done.support):
+            if mark == "supports":
+                marked += 1
+                marked_ok += any(f" {normalise(t)} " in f" {normalise(passage.text)} " for t in
+                                 _with_synonyms(asserted.terms))
+        if example.answer_type == "CLOSED":
+            correct = closed_correct(done.answer, example.answer)
+            if done.closed:
+                closed_rows.append((done.closed.get("margin", 0.0), correct))
+                if "flagged" in done.closed:
+                    reliance_rows.append((done.closed["flagged"], correct))
+        elif is_term(example.answer):
+            terms += 1
+            question_only += contains(pipeline.retrieve(example.question), example.answer)
+            reference_query += contains(pipeline.retrieve(claim_query(example.question, example.answer)),
+                                        example.answer)
+            claim_supported += any(mark == "supports" for mark, _ in done.support)
+    flagged = [correct for was_flagged, correct in reliance_rows if was_flagged]
+    unflagged = [correct for was_flagged, correct in reliance_rows if not was_flagged]
+    summary = {
+        "dataset": args.dataset, "split": args.split, "n": len(examples), "profile": args.profile,
+        "term_questions": terms, "closed_questions": len(closed_rows),
+        "support_at_3": {"question_only": round(question_only / max(1, terms), 4),
+                         "app_query_reference": round(reference_query / max(1, terms), 4)},
+        "claim_support": round(claim_supported / max(1, terms), 4),
+        "supported_precision": round(marked_ok / marked, 4) if marked else None,
+        "risk_coverage": {str(c): accuracy_at(closed_rows, c) for c in (1.0, 0.75, 0.5)},
+        "abstention_rate": None,
+        "image_reliance": {"flagged": round(len(flagged) / max(1, len(reliance_rows)), 4),
+                           "accuracy_flagged": round(sum(flagged) / len(flagged), 4) if flagged else None,
+                           "accuracy_unflagged": round(sum(unflagged) / len(unflagged), 4) if unflagged else None},
+    }
+    print(f"{args.dataset} {args.split}: {len(examples)} questions, {terms} open term answers, "
+          f"{len(closed_rows)} closed", file=sys.stderr)
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+def _with_synonyms(terms: list[str]) -> list[str]:
+    from medvqa.trust import SYNONYMS, _listed_within
+
+    found = list(terms)
+    for term in terms:
+        for name in [term, *_listed_within(term)]:
+            found += [name, *SYNONYMS.get(name, ())]
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())
