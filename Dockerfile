@@ -14,8 +14,10 @@
 #
 # /data holds what the first start builds (the converted decoder, the retrieval index) so later
 # starts take seconds; /data/corpus is where the index is built from when /data/index has none.
-# The app binds 0.0.0.0 inside the container (Docker publishes the port); set MEDVQA_USERNAME and
-# MEDVQA_PASSWORD (docker run -e ...) to require a login whenever the port is reachable by others.
+# The app binds 0.0.0.0 inside the container (Docker publishes the port), which app.py refuses without
+# a login unless told otherwise: the CMD passes --insecure-no-login because the commands above publish
+# the port on 127.0.0.1 only. Set MEDVQA_USERNAME and MEDVQA_PASSWORD (docker run -e ...) to require a
+# login whenever the port is published for others to reach.
 
 # Build argument: the base image. python:3.11-slim (CPU) by default; a CUDA runtime image for GPUs.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -57,4 +59,4 @@ RUN pip install --no-deps -e . \
 USER medvqa
 VOLUME ["/data"]
 EXPOSE 7860
-CMD ["python", "app.py", "--profile", "offline", "--host", "0.0.0.0", "--port", "7860"]
+CMD ["python", "app.py", "--profile", "offline", "--host", "0.0.0.0", "--port", "7860", "--insecure-no-login"]

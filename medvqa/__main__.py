@@ -88,7 +88,9 @@ class _StandIn:
 def _ask(args) -> int:
     from .config import load_settings
     from .imaging import ScanError, load_scan, parse_window
+    from .injection import check_answer
     from .pipeline import Done, Pipeline, Sources, Token
+    from .safe_text import inert, safe_url
 
     try:
         scan = load_scan(args.image, window=parse_window(args.window) if args.window else None)
@@ -104,10 +106,14 @@ def _ask(args) -> int:
                 print(event.text, end="", flush=True)
             elif isinstance(event, Done):
                 print()
+                finding = check_answer(event.answer, event.passages)
+                if finding is not None:
+                    print(f"WARNING: {finding.warning}")
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):
-                    print(f"[{number}] {passage.url}  {passage.text[:100]}")
+                    # Passage fields come from the corpus: escaped as on the page and in the exports.
+                    print(f"[{number}] {safe_url(passage.url) or '(no link)'}  {inert(passage.text[:100])}")
                 if event.window:
                     print(f"(image window: {event.window})")
             elif isinstance(event, Sources) and event.note:

@@ -97,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
 # ── The app ──────────────────────────────────────────────────────────────────────────────────
 
-def start_app(profile: str, timeout: float) -> tuple[subprocess.Popen, str]:
+def start_app(profile: str, timeout: float, extra_args: list[str] | tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """app.py on a free loopback port (with `extra_args`, in `env` or this process's environment),
+    once its page answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     print(f"starting app.py --profile {profile} on {url}", file=sys.stderr)
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--profile", profile, "--host", "127.0.0.1",
-                               "--port", str(port)], cwd=REPO, env=dict(os.environ))
+                               "--port", str(port), *extra_args], cwd=REPO,
+                              env=dict(os.environ) if env is None else env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ def load_script(name: str):
     """scripts/<name>.py as a module (the scripts are not a package), for testing its functions."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
 

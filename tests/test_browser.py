@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import load_script, prompt_gate
-from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_pipeline,  # noqa: F401 - fixtures
+from tests.test_ui import (MAX_UPLOAD_MB, QUESTION, app_url, dicom_file, ui_app, ui_pipeline,  # noqa: F401 - fixtures
                            ui_settings, upload_folder)
 
 pytestmark = pytest.mark.browser
@@ -166,3 +166,52 @@ def test_bench_browser_times_typed_and_pasted_questions(browser, app_url):  # no
     assert set(times) == {"first_typed_s", "first_pasted_s", "next_typed_s", "next_pasted_s"}
     for key, values in times.items():
         assert len(values) == 1 and 0 < values[0] < 60, times
+
+
+def test_passage_text_shows_as_text_in_the_browser(page, ui_pipeline, monkeypatch):  # noqa: F811
+    """A passage whose text holds a blank line, a Markdown link and an image with an event handler:
+    Chromium shows all of it as text; the only link in the reply is the passage's own URL."""
+    from medvqa.retrieval import Passage
+
+    url = "https://pubmed.ncbi.nlm.nih.gov/31001001/"
+    hostile = Passage("<img src=x onerror=window.__pwned=1>", "Pleural effusion.\n\n[click me](http://evil.example/x)"
+                      "\n\n<img src=x onerror=window.__pwned=2>", url, "Effusion *review*", "PubMed", "", 1.0)
+    monkeypatch.setattr(ui_pipeline, "retrieve", lambda *a, **k: [hostile])
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    page.locator("#medvqa-question textarea").fill(QUESTION)
+    page.click("#medvqa-ask")
+    reply = page.locator(LAST_REPLY)
+    reply.locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+    hrefs = reply.evaluate("el => [...el.querySelectorAll('a[href]')].map(a => a.getAttribute('href'))")
+    assert set(hrefs) == {url}, hrefs
+    assert reply.evaluate("el => el.querySelectorAll('img').length") == 0
+    assert page.evaluate("() => window.__pwned === undefined")
+    reply.locator("details summary").first.click()
+    text = reply.locator("details blockquote").first.inner_text()
+    assert "[click me](http://evil.example/x)" in text and "<img src=x onerror=window.__pwned=2>" in text
+    assert "<img src=x onerror=window.__pwned=1>" in reply.inner_text()
+    screenshot(page, "06-passage-shown-as-text.png")
+
+
+def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
+    """With a login set, Chromium gets Gradio's login form (everything else is behind the login wall),
+    and the app once logged in."""
+    from medvqa.ui import build_app, launch
+
+    demo = build_app(ui_pipeline, ui_settings, max_upload_mb=MAX_UPLOAD_MB)
+    _, url, _ = launch(demo, port=None, max_upload_mb=MAX_UPLOAD_MB, auth=("doc", "secret"), block=False, quiet=True)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.locator("input[type=password]").wait_for(state="visible")
+        assert page.query_selector("#medvqa-upload") is None
+        page.locator("input[type=text]").first.fill("doc")
+        page.locator("input[type=password]").fill("secret")
+        page.locator("input[type=password]").press("Enter")
+        page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
+        upload_scan(page, dicom_file("CT_small.dcm"))
+    finally:
+        context.close()
+        demo.close()

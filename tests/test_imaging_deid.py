@@ -159,3 +159,54 @@ def test_private_and_free_text_attributes_are_not_in_safe_meta():
                "WindowCenter", "WindowWidth", "SOPClass", "TransferSyntax"}
     assert set(scan.safe_meta) <= allowed
     assert scan.safe_meta["SOPClass"] == "CT Image Storage"
+
+
+PLANTED_CODES = {  # free text in coded attributes: the code-string form (A-Z, 0-9, space, _) lets it through
+    "BodyPartExamined": "ZZPHI_BODYPART", "PatientPosition": "ZZPHI", "ViewPosition": "ZZPHI DOE",
+    "Laterality": "Z", "ImageLaterality": "ZZ", "RescaleType": "ZZPHI", "MRAcquisitionType": "ZZPHI",
+    "ScanningSequence": ["SE", "ZZPHI"], "SequenceVariant": "ZZPHI_SMITH", "BurnedInAnnotation": "ZZPHI",
+    "LossyImageCompression": "ZZ",
+}
+
+
+def test_coded_attributes_keep_only_their_defined_terms(tmp_path, capsys):
+    """A coded attribute shows only the standard's defined terms for it; anything else (a name typed
+    into BodyPartExamined, a site's own ImageType value) is dropped, in the scan, the metadata panel
+    and the CLI."""
+    ds = make_dicom(HU + 1024, RescaleSlope=1, RescaleIntercept=-1024, ImageType=["ORIGINAL", "ZZPHI_NAME"],
+                    **PLANTED_CODES)
+    ds.Modality = "ZZPHI"
+    meta = load_scan(dicom_bytes(ds)).safe_meta
+    assert "ZZPHI" not in " ".join(f"{k}={v}" for k, v in meta.items()), meta
+    assert not set(PLANTED_CODES) & set(meta) and "Modality" not in meta
+    assert meta["ImageType"] == "ORIGINAL"  # value 2 is not PRIMARY/SECONDARY: nothing after value 1
+
+    ds = make_dicom(HU + 1024, ImageType=["DERIVED", "SECONDARY", "AXIAL", "ZZPHI_NAME", "LOCALIZER"],
+                    BodyPartExamined="CHEST", PatientPosition="HFS", ViewPosition="PA", Laterality="R",
+                    ScanningSequence=["SE", "IR"], BurnedInAnnotation="NO", LossyImageCompression="00")
+    path = tmp_path / "scan.dcm"
+    path.write_bytes(dicom_bytes(ds))
+    meta = load_scan(path).safe_meta
+    assert meta["ImageType"] == "DERIVED\\SECONDARY\\AXIAL"  # up to the first unknown value
+    assert {k: meta[k] for k in ("Modality", "BodyPartExamined", "PatientPosition", "ViewPosition", "Laterality",
+                                 "ScanningSequence", "BurnedInAnnotation", "LossyImageCompression")} == {
+        "Modality": "CT", "BodyPartExamined": "CHEST", "PatientPosition": "HFS", "ViewPosition": "PA",
+        "Laterality": "R", "ScanningSequence": "SE\\IR", "BurnedInAnnotation": "NO", "LossyImageCompression": "00"}
+
+    planted = tmp_path / "planted.dcm"
+    ds = make_dicom(HU + 1024, ImageType=["ZZPHI_NAME", "PRIMARY"], **PLANTED_CODES)
+    planted.write_bytes(dicom_bytes(ds))
+    assert cli_scan(str(planted)) == 0
+    printed = capsys.readouterr().out
+    assert "ZZPHI" not in printed and "ImageType" not in printed and "Modality: CT" in printed
+
+
+def test_the_defined_terms_are_code_strings():
+    from medvqa.imaging.defined_terms import DEFINED_TERMS, IMAGE_TYPE_FURTHER
+    from medvqa.imaging.deid import _CODE_STRING, _SAFE_CODED
+
+    assert set(DEFINED_TERMS) | {"ImageType"} == set(_SAFE_CODED)
+    for terms in (*DEFINED_TERMS.values(), IMAGE_TYPE_FURTHER):
+        assert all(_CODE_STRING.fullmatch(term) for term in terms)
+    assert {"ABDOMEN", "CHEST", "HEAD", "BRAIN", "SKULL", "KNEE"} <= DEFINED_TERMS["BodyPartExamined"]
+    assert {"CT", "MR", "CR", "DX", "US", "MG", "NM", "PT", "XA", "OT"} <= DEFINED_TERMS["Modality"]

@@ -238,6 +238,9 @@ def test_empty_corpus_names_the_file(tmp_path):
     ('{"id": "b", "text": "no link"}', "missing required field `url`"),
     ('{"id": "b", "text": "bad link", "url": "javascript:alert(1)"}', "must be an http"),
     ('["a", "list"]', "expected a JSON object"),
+    ('{"id": "<img src=x onerror=alert(1)>", "text": "t", "url": "https://x.org"}', "may only hold letters, digits"),
+    ('{"id": "a b", "text": "t", "url": "https://x.org"}', "may only hold letters, digits"),
+    ('{"id": "b", "text": "t", "url": "https://x.org/\\u001b[2J"}', "must be an http"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     good = json.dumps({"id": "a", "text": "Chest X-ray.", "url": "https://x.org/a"})

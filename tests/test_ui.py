@@ -26,7 +26,8 @@ from .ui_helpers import (CORPUS_URLS, EFFUSION_URLS, QUESTION, SlowPipeline, ans
                          ask_streaming, assert_still_serving, client, decoded_image, image_src, last_reply, plain,
                          text_of, upload)
 # tests/test_browser.py imports MAX_UPLOAD_MB, QUESTION, dicom_file and these fixtures from here.
-from .ui_helpers import MAX_UPLOAD_MB, app_url, dicom_file, ui_pipeline, ui_settings, upload_folder  # noqa: E402, F401
+from .ui_helpers import (MAX_UPLOAD_MB, app_url, dicom_file, ui_app, ui_pipeline, ui_settings,  # noqa: E402, F401
+                         upload_folder)
 
 
 # ── End to end ─────────────────────────────────────────────────────────────────────────────────
@@ -67,7 +68,7 @@ def test_multi_turn_new_conversation_and_export(app_url):
     assert [t["question"] for t in record["turns"]] == [QUESTION, "What is the capital of France?"]
     first, second = record["turns"]
     assert first["citations"] and {c["url"] for c in first["citations"]} <= CORPUS_URLS
-    assert all(set(c) == {"n", "id", "title", "url", "source", "license"} for c in first["citations"])
+    assert all(set(c) == {"n", "id", "title", "url", "source", "license", "support"} for c in first["citations"])
     assert second["citations"] == [] and "relevant" in second["note"]
     assert "window" in first["window"] and first["frame"] == 1
     assert record["scan"] == {"format": "dicom", "frames": 1, "modality": "CT"}
@@ -268,3 +269,61 @@ def test_login_is_required_when_set(ui_pipeline, ui_settings, upload_folder):
     finally:
         demo.close()
 
+
+
+# ── Uploads that never reach the handler ───────────────────────────────────────────────────────
+
+def stored_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
+
+
+def test_a_stray_upload_is_never_served_and_is_swept_within_a_minute(ui_app, upload_folder):
+    """A file posted to Gradio's upload route with no /upload event after it: refused by the file
+    route, and deleted by the app's sweeper once a minute old."""
+    import httpx
+
+    demo, url = ui_app
+    uploads = demo.medvqa_uploads
+    assert uploads.root == upload_folder.resolve() and uploads.max_age_s <= 60
+    response = httpx.post(url + "gradio_api/upload", files={"files": ("stray.png", b"not read by any handler")},
+                          timeout=30)
+    (path,) = response.json()
+    assert Path(path).is_file() and Path(path).resolve().parent.parent == upload_folder.resolve()
+    for route in (f"gradio_api/file={path}", f"gradio_api/file/{path}", "gradio_api/file=" +
+                  str(upload_folder / ".." / upload_folder.name / Path(path).relative_to(upload_folder))):
+        assert httpx.get(url + route, timeout=30).status_code == 404, route
+    uploads.sweep(now=time.time() + 30)
+    assert Path(path).is_file(), "younger than a minute: kept (an /upload event may still come for it)"
+    uploads.sweep(now=time.time() + uploads.max_age_s + 1)
+    assert not Path(path).exists() and not stored_files(upload_folder)
+
+
+def test_a_refused_upload_name_leaves_nothing_behind(app_url, upload_folder):
+    import httpx
+
+    response = httpx.post(app_url + "gradio_api/upload", files={"files": ("..", b"payload")}, timeout=30)
+    assert response.status_code == 400 and "Invalid file name" in response.text
+    assert not stored_files(upload_folder), "the refused upload left its temporary file"
+    assert not [p for p in upload_folder.iterdir() if p.is_dir() and not any(p.iterdir())]
+    assert_still_serving(client(app_url))
+
+
+def test_a_closed_tab_is_forgotten_at_once(ui_app, ui_pipeline, monkeypatch):
+    """Gradio would keep a closed tab's state an hour and every output it sent (the viewer's scan, the
+    chat) until 10,000 newer sessions: the app drops the whole session when the tab goes away."""
+    demo, url = ui_app
+    ended = []
+    monkeypatch.setattr(ui_pipeline, "end_conversation", lambda conversation, **_: ended.append(conversation.id))
+    c = client(url)
+    upload(c, dicom_file("CT_small.dcm"))
+    ask_streaming(c, QUESTION)
+    assert c.session_hash in demo.state_holder.session_data
+    c.close()  # the tab goes away: its heartbeat ends
+    deadline = time.time() + 30
+    while c.session_hash in demo.state_holder.session_data and time.time() < deadline:
+        time.sleep(0.1)
+    assert c.session_hash not in demo.state_holder.session_data, "the closed tab's session is still held"
+    deadline = time.time() + 10
+    while not ended and time.time() < deadline:
+        time.sleep(0.1)
+    assert ended, "the pipeline was not told to forget the conversation"

@@ -161,14 +161,19 @@ def upload_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app_url(ui_pipeline, ui_settings, upload_folder):
-    """The app served on a free loopback port for the module's tests."""
+def ui_app(ui_pipeline, ui_settings, upload_folder):
+    """The app served on a free loopback port for the module's tests: (demo, url)."""
     from medvqa.ui import build_app, launch
 
     demo = build_app(ui_pipeline, ui_settings, max_upload_mb=MAX_UPLOAD_MB)
     _, url, _ = launch(demo, host="127.0.0.1", port=None, max_upload_mb=MAX_UPLOAD_MB, block=False, quiet=True)
-    yield url
+    yield demo, url
     demo.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(ui_app):
+    return ui_app[1]
 
 
 def client(url: str) -> Client:

@@ -2,7 +2,9 @@
 
 Rather than removing known identifying tags (a list that can never be complete: private tags,
 free text typed by staff), the scan keeps a short list of coded and numeric attributes, each
-checked for form, and drops everything else. A value that does not fit, or that pydicom cannot
+checked for form, and drops everything else. A coded value must also be one of the standard's
+defined terms for its attribute (defined_terms.py): the code-string form alone lets free text such
+as a name typed into BodyPartExamined through. A value that does not fit, or that pydicom cannot
 even convert, is left out rather than refusing the scan.
 """
 
@@ -16,16 +18,18 @@ from pydicom.dataset import Dataset
 from pydicom.multival import MultiValue
 from pydicom.uid import UID
 
+from .defined_terms import DEFINED_TERMS, IMAGE_TYPE_EXAMINATION, IMAGE_TYPE_FURTHER, IMAGE_TYPE_PIXEL_DATA
 from .frames import _PixelHeader
 from .guard import _INTERRUPTS
 from .windowing import _format_number
 
 
 # Attributes a scan may carry past this package: coded values (checked against the CS character
-# set, so no free text slips through) and numbers. None of them is in the PS3.15 Annex E Basic
-# Profile. Left out on purpose: every name, ID, date, time, age, UID, institution, station or
-# device identifier, and all free text (StudyDescription, SeriesDescription, ImageComments,
-# ProtocolName, even Manufacturer), since sites type patient names into free-text fields.
+# set and their defined terms, so no free text slips through) and numbers. None of them is in the
+# PS3.15 Annex E Basic Profile. Left out on purpose: every name, ID, date, time, age, UID,
+# institution, station or device identifier, and all free text (StudyDescription,
+# SeriesDescription, ImageComments, ProtocolName, even Manufacturer), since sites type patient names
+# into free-text fields.
 _SAFE_CODED = (
     "Modality", "BodyPartExamined", "ImageType", "PatientPosition", "ViewPosition", "Laterality",
     "ImageLaterality", "PhotometricInterpretation", "RescaleType", "MRAcquisitionType",
@@ -52,7 +56,7 @@ def _dicom_safe_meta(ds: Dataset, header: _PixelHeader) -> dict[str, str]:
     meta: dict[str, str] = {}
     for keyword in (*_SAFE_CODED, *_SAFE_NUMERIC):
         value = _value_or_none(ds, keyword)
-        text = _safe_code(value) if keyword in _SAFE_CODED else _safe_number(value)
+        text = _safe_code(value, keyword) if keyword in _SAFE_CODED else _safe_number(value)
         if text:
             meta[keyword] = text
     sop = str(_value_or_none(ds, "SOPClassUID") or "")
@@ -72,11 +76,33 @@ def _value_or_none(ds: Dataset, keyword: str) -> Any:
         return None
 
 
-def _safe_code(value: Any) -> str | None:
+def _safe_code(value: Any, keyword: str) -> str | None:
+    """The value when every part of it is a code string and one of the attribute's defined terms."""
     values = list(value) if isinstance(value, (list, tuple, MultiValue)) else [value]
     if not values or not all(isinstance(v, str) and _CODE_STRING.fullmatch(v.strip()) for v in values):
         return None
-    return "\\".join(v.strip() for v in values) or None
+    values = [v.strip() for v in values]
+    if keyword == "ImageType":
+        values = _image_type(values)
+    elif not all(v in DEFINED_TERMS[keyword] for v in values):
+        return None
+    return "\\".join(values) or None
+
+
+def _image_type(values: list[str]) -> list[str]:
+    """ImageType's values as far as they are defined terms: value 1 ORIGINAL or DERIVED, value 2
+    PRIMARY or SECONDARY, then known modality-specific terms up to the first unknown one (later
+    values are positional, so nothing after an unknown value is kept); nothing when value 1 is not one."""
+    if values[0] not in IMAGE_TYPE_PIXEL_DATA:
+        return []
+    if len(values) < 2 or values[1] not in IMAGE_TYPE_EXAMINATION:
+        return values[:1]
+    kept = values[:2]
+    for value in values[2:]:
+        if value not in IMAGE_TYPE_FURTHER:
+            break
+        kept.append(value)
+    return kept
 
 
 def _safe_number(value: Any) -> str | None:

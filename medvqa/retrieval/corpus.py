@@ -19,7 +19,10 @@ from medvqa.retrieval.sanitize import sanitize_text
 
 REQUIRED_FIELDS = ("id", "text", "url")
 DISPLAY_FIELDS = ("title", "license", "source")
-_URL = re.compile(r"^https?://[^\s<>\"'`]+$", re.IGNORECASE)
+_URL = re.compile(r"^https?://[^\s<>\"'`\x00-\x1f\x7f-\x9f]+$", re.IGNORECASE)
+# Passage ids are shown on the page, in the exports and on the command line, and name chunks
+# ("<id>#<n>"): letters, digits and . _ - / only, so an id is never markup or a link in any of them.
+_PASSAGE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 _SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
 
 TokenCounter = Callable[[list[str]], list[int]]
@@ -93,6 +96,9 @@ def _parse_line(raw: bytes, path: Path, line_number: int) -> dict:
     row["id"] = str(row["id"]).strip()
     if "#" in row["id"]:
         raise RetrievalError(f"{where}: `id` {row['id']!r} must not contain '#' (reserved for chunk numbers).")
+    if not _PASSAGE_ID.fullmatch(row["id"]):
+        raise RetrievalError(f"{where}: `id` {row['id'][:80]!r} may only hold letters, digits and . _ - / "
+                             f"(starting with a letter or digit, at most 128 characters).")
     url = str(row["url"]).strip()
     if not _URL.match(url):
         raise RetrievalError(f"{where}: `url` must be an http(s) link a clinician can open, got {url[:80]!r}.")

@@ -4,14 +4,20 @@ Every passage text goes through `sanitize_text` before it is chunked, embedded o
 decoder only ever sees cleaned text. Three things happen, in this order:
 
 1. markup goes: HTML entities are decoded, then real HTML/JATS/chat tags are dropped (by name, so
-   that clinical comparisons such as "<or =5 lesions" or "p<0.05 and AST/ALT ratio>" survive),
-   `<script>`/`<style>` blocks lose their content, and Markdown links and images keep only their
-   text (a rendered Markdown image is a way to leak a conversation to a URL);
+   that clinical comparisons such as "<or =5 lesions" or "p<0.05 and AST/ALT ratio>" survive), and
+   so is any tag with an event-handler attribute (`<details ontoggle=...>`, `<svg/onload=...>`),
+   `<script>`/`<style>` blocks lose their content, and Markdown links and images, inline or by
+   reference, keep only their text (a rendered Markdown image is a way to leak a conversation to a URL);
 2. control and format characters go (C0/C1 controls, zero-width and bidirectional overrides), and
    unusual spaces become plain spaces;
-3. instruction-like sentences ("ignore previous instructions", "you are now ...", role tags such as
-   "System:" or "<|im_start|>", prompt delimiters such as "[INST]" or "</source>") are replaced by
-   `NEUTRALISED` so the passage still reads as a passage but carries no command.
+3. instruction-like sentences ("ignore previous instructions", in English and a few other
+   languages, "you are now ...", role tags such as "System:" or "<|im_start|>", prompt delimiters
+   such as "[INST]", "<start_of_turn>" or "</source>") are replaced by `NEUTRALISED` so the passage
+   still reads as a passage but carries no command. Sentences are matched on a folded copy too
+   (textfold.fold), so look-alike letters ("Іgnоrе" in Cyrillic) do not hide a command.
+
+The answer side has a broader check of its own (medvqa/injection.py): what this misses and a model
+repeats is flagged there.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import html
 import re
 import unicodedata
+
+from medvqa.textfold import fold
 
 NEUTRALISED = "[instruction-like text removed]"
 
@@ -39,10 +47,15 @@ _SCRIPT_BLOCK = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>", re.IGNORECASE 
 _COMMENT = re.compile(r"<!--.*?-->|<!\[CDATA\[.*?\]\]>", re.DOTALL)
 _MD_IMAGE = re.compile(r"!\[([^\]]*)\]\([^)]*\)")
 _MD_LINK = re.compile(r"\[([^\]]+)\]\((?:[a-z][a-z0-9+.-]*:|/|#)[^)]*\)", re.IGNORECASE)
+_MD_REFERENCE_LINK = re.compile(r"\[([^\]\n]+)\]\[[^\]\n]*\]")
+_MD_REFERENCE_DEFINITION = re.compile(r"^[ \t]*\[[^\]\n]+\]:[ \t]*\S+.*$", re.MULTILINE)
+# Any tag carrying an event handler (onerror=, onload=, ontoggle=, ...), whatever its name.
+_EVENT_TAG = re.compile(r"<[A-Za-z][\w:-]*(?=[\s/])[^<>]*?[\s/\"']on[a-z]+\s*=[^<>]*>", re.IGNORECASE)
 
 # Special tokens and prompt delimiters of common chat templates: removed wherever they appear.
 _SPECIAL_TOKEN = re.compile(
-    r"<\|[^|<>]{0,40}\|>|\[/?INST\]|<<\s*/?SYS\s*>>|</?s>|<\s*/?\s*(?:source|system|user|assistant)\b[^>]*>"
+    r"<\|[^|<>]{0,40}\|>|\[/?INST\]|<<\s*/?SYS\s*>>|</?s>"
+    r"|<\s*/?\s*(?:source|system|user|assistant|human|start_of_turn|end_of_turn)\b[^>]*>"
     r"|\bBEGIN_INSTRUCTIONS?\b|\bEND_INSTRUCTIONS?\b",
     re.IGNORECASE)
 
@@ -63,12 +76,25 @@ _INSTRUCTION_PATTERNS = [
     r"\b(?:reveal|print|repeat|show)\s+(?:your|the)\s+(?:system\s+)?(?:prompt|instructions)\b",
     r"\bjailbreak\b|\bprompt\s+injection\b|\bdeveloper\s+mode\b",
     r"^\s*(?:#+\s*)?(?:system|assistant|user|human|developer|instruction|instructions)\s*:",
+    # Paraphrases found by scripts/redteam.py.
+    r"\bset\s+aside\b[^.!?\n]{0,40}\b(?:guidance|instructions?|rules|directions|told|given)\b",
+    r"\b(?:note|message|reminder|instructions?)\s+(?:to|for)\s+(?:the\s+|any\s+)?(?:ai|assistant|language\s+model|"
+    r"llm|chatbot)\b",
+    r"\byour\s+(?:real|actual|true|new|only)\s+(?:task|job|role|goal|purpose)\b",
+    r"\bit\s+would\s+be\s+(?:most\s+|very\s+|really\s+)?(?:helpful|useful|best)\s+if\s+(?:any|every|each|your|the)\s+"
+    r"(?:summary|summaries|answers?|repl(?:y|ies)|responses?)\b",
+    # The first command above in French, German, Spanish, Italian, Portuguese, Russian, Chinese, Japanese.
+    r"\b(?:ignore[zr]?|oublie[zr]?)\b[^.!?\n]{0,60}\b(?:instructions?|consignes)\b",
+    r"\b(?:ignoriere|ignorieren|vergiss|vergessen)\b[^.!?\n]{0,60}\b(?:anweisungen|instruktionen|vorgaben|regeln)\b",
+    r"\b(?:ignora|ignore|olvida|olvide|omite)\b[^.!?\n]{0,60}\b(?:instrucciones|istruzioni|instruções)\b",
+    r"(?:игнорируй|игнорировать|забудь)[^.!?\n]{0,60}(?:инструкци|указани)",
+    r"(?:忽略|无视|忘记|忘掉)[^。！？\n]{0,20}(?:指令|指示|说明|规则)", r"指示を無視",
 ]
 _INSTRUCTION = re.compile("|".join(f"(?:{pattern})" for pattern in _INSTRUCTION_PATTERNS),
                           re.IGNORECASE | re.MULTILINE)
 # Text between chat-template delimiters is a message to a model by construction: the whole span goes.
-_OPENERS = r"\[INST\]|<\|im_start\|>|<<\s*SYS\s*>>|<\|(?:system|user|assistant)\|>"
-_CLOSERS = r"\[/INST\]|<\|im_end\|>|<<\s*/SYS\s*>>|<\|end\|>|<\|eot_id\|>"
+_OPENERS = r"\[INST\]|<\|im_start\|>|<<\s*SYS\s*>>|<\|(?:system|user|assistant)\|>|<start_of_turn>"
+_CLOSERS = r"\[/INST\]|<\|im_end\|>|<<\s*/SYS\s*>>|<\|end\|>|<\|eot_id\|>|<end_of_turn>"
 _DELIMITED = re.compile(rf"(?:{_OPENERS}).*?(?:{_CLOSERS})", re.IGNORECASE | re.DOTALL)
 _OPEN_TO_END_OF_LINE = re.compile(rf"(?:{_OPENERS})[^\n]*", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -92,10 +118,12 @@ def sanitize_text(text: str) -> str:
     text = _COMMENT.sub(" ", text)
     text = _MD_IMAGE.sub(r"\1", text)
     text = _MD_LINK.sub(r"\1", text)
+    text = _MD_REFERENCE_DEFINITION.sub(" ", text)
+    text = _MD_REFERENCE_LINK.sub(r"\1", text)
     text = _remove_control_characters(unicodedata.normalize("NFC", text))
     # Tags can be assembled from pieces once other tags are gone ("<sy<b>stem>"), so strip to a fixpoint.
     for _ in range(5):
-        stripped = _TAG.sub(" ", text)
+        stripped = _EVENT_TAG.sub(" ", _TAG.sub(" ", text))
         if stripped == text:
             break
         text = stripped
@@ -109,7 +137,7 @@ def sanitize_text(text: str) -> str:
 def is_instruction_like(text: str) -> bool:
     """True when `text` reads as an instruction to a model (used for tests and diagnostics)."""
     folded = unicodedata.normalize("NFKC", text).casefold()
-    return bool(_INSTRUCTION.search(folded) or _SPECIAL_TOKEN.search(folded))
+    return bool(_INSTRUCTION.search(folded) or _SPECIAL_TOKEN.search(folded) or _INSTRUCTION.search(fold(text)))
 
 
 def sanitize_query(text: str, max_chars: int = 2000) -> str:
@@ -135,7 +163,7 @@ def _neutralise_line(line: str) -> str:
         if not sentence.strip():
             continue
         folded = unicodedata.normalize("NFKC", sentence).casefold()
-        if _INSTRUCTION.search(folded) or sentence.strip() == NEUTRALISED:
+        if _INSTRUCTION.search(folded) or _INSTRUCTION.search(fold(sentence)) or sentence.strip() == NEUTRALISED:
             if not out or out[-1] != NEUTRALISED:
                 out.append(NEUTRALISED)
         else:

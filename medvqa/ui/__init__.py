@@ -5,7 +5,7 @@
 
 One browser tab is one session: its scan, window, conversation and transcript live in a `gr.State`
 (`_Session`) and nowhere else. Uploads are read into memory and deleted from Gradio's upload folder
-before they are decoded; the scan is shown as an inline PNG and the transcript downloads are inline
+before they are decoded (and any the handler never sees are swept within a minute); the scan is shown as an inline PNG and the transcript downloads are inline
 links, so nothing of a session is written to disk by the app.
 
 Model text is escaped before it is shown (it can neither inject markup nor create links); the only
@@ -15,13 +15,14 @@ API endpoints (gradio_client): /upload, /set_preset, /set_window, /set_frame, /a
 /new_conversation, /export.
 
 The modules, one job each:
-    layout      the gr.Blocks page, its event wiring, `build_app`, `launch`, `auth_from_env`
+    layout      the gr.Blocks page, its event wiring, `build_app`, `launch`, `auth_from_env`, `is_loopback`
+    access      the ASGI middleware in front of every route: login wall, no upload served back
     handlers    what each event does to a session (upload, window/preset/frame, warm, ask, stop, ...)
     session     one tab's state (`_Session`), the answer being streamed (`_Answer`)
     render      the chat's HTML: answers, citations, sources, status and error lines
     viewer      the scan viewer: its inline PNG, the window controls' choices and ranges
     transcript  the conversation download: record, Markdown, JSON, download links
-    uploads     reading an upload once and deleting it
+    uploads     reading an upload once and deleting it; the upload folder's sweeper
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ import os
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 from .handlers import _Handlers  # noqa: E402
-from .layout import DEFAULT_CONCURRENCY, NOTICE, auth_from_env, build_app, launch  # noqa: E402
+from .layout import DEFAULT_CONCURRENCY, NOTICE, auth_from_env, build_app, is_loopback, launch  # noqa: E402
 from .render import _render_answer  # noqa: E402
 from .session import _Answer, _Session  # noqa: E402
 from .transcript import export_markdown  # noqa: E402
 from .viewer import DISPLAY_MAX_SIDE  # noqa: E402
 
-__all__ = ["build_app", "launch", "auth_from_env", "export_markdown", "NOTICE", "DEFAULT_CONCURRENCY",
-           "DISPLAY_MAX_SIDE"]
+__all__ = ["build_app", "launch", "auth_from_env", "is_loopback", "export_markdown", "NOTICE",
+           "DEFAULT_CONCURRENCY", "DISPLAY_MAX_SIDE"]
 # The private names above (_Handlers, _Answer, _Session, _render_answer) stay importable from
 # medvqa.ui as they were before the module became a package; they are not part of the API.

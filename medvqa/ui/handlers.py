@@ -17,6 +17,7 @@ import gradio as gr
 
 from ..config import Settings
 from ..imaging import ScanError, ScanLimits, Window, open_scan
+from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
 from .render import _error_html, _error_message, _escape_model_text, _render_answer, _status
 from .session import _Answer, _Session
@@ -210,6 +211,7 @@ class _Handlers:
                 return
             if event is None:
                 return
+            finding = _injection_finding(event, conversation) if isinstance(event, Done) else None
             with session.lock:
                 if session.generation != generation:  # stopped, new conversation or new scan
                     return
@@ -226,6 +228,8 @@ class _Handlers:
                     reply["content"] = _render_answer(answer, final=False)
                 elif isinstance(event, Done):
                     answer.text, answer.passages, answer.window = event.answer, list(event.passages), event.window
+                    answer.support, answer.closed = list(event.support), event.closed
+                    answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())
                 snapshot = _copy(session.messages)
@@ -267,6 +271,17 @@ class _Handlers:
             record = _transcript_record(session, self.settings)
         markdown, as_json = export_markdown(record), _transcript_json(record)
         return _download_links(markdown, as_json), markdown, as_json
+
+
+def _injection_finding(done: Done, conversation):
+    """Whether the finished answer repeats an instruction, markup or a web address from a passage the
+    model read in this conversation (earlier turns' passages stay in its prompt) or was shown beside it."""
+    seen = list(done.passages) + [p for turn in conversation.history for p in (turn.passages or ())]
+    try:
+        return check_answer(done.answer, seen)
+    except Exception:  # noqa: BLE001 - a failed check must not lose the answer; it is logged
+        log.exception("the injection check failed")
+        return None
 
 
 def _copy(messages: list[dict]) -> list[dict]:

@@ -1,18 +1,27 @@
 """The page: its gr.Blocks layout, which event runs which handler, and how the app is served.
 
-Served privately by default: loopback only, uploads capped, no run history, telemetry, MCP or SSR.
+Served privately by default: loopback only, uploads capped, no run history, telemetry, MCP or SSR;
+with a login, every route but the login page needs it (access.py); uploads live in a folder the app
+owns, and any the handler never read are deleted within a minute (uploads.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import ipaddress
 import os
+import shutil
+import tempfile
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from ..config import Settings
 from ..pipeline import Pipeline
+from .access import AccessGuard
 from .handlers import _Handlers
-from .session import _close_session
+from .session import _close_session, _forget_closed_tabs
+from .uploads import UPLOAD_MAX_AGE_S, UploadFolder
 from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 
 NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
@@ -27,6 +36,7 @@ _CSS = """
 .medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
 .medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
 .medvqa-error { color: #b91c1c; }
+.medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
 """
 
 
@@ -99,6 +109,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                          cancels=[answering], api_name="new_conversation").then(**warming)
         chatbot.clear(handlers.new_conversation, [session], [chatbot, question, transcript_links],
                       cancels=[answering], api_visibility="private").then(**warming)  # the chat's bin icon too
+        demo.unload(_forget_closed_tabs(demo))  # a closed tab's session goes now, not an hour later
         # The endpoint keeps its name (/export): clients and tests call it.
         transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],
                                 api_name="export")
@@ -107,15 +118,52 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
 
 
 def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, max_upload_mb: float = 100,
-           auth: tuple[str, str] | None = None, block: bool = True, quiet: bool = False):
-    """Serve the app: loopback by default, uploads capped, no run history, telemetry, MCP or SSR."""
-    return demo.launch(
-        server_name=host, server_port=port, auth=auth, max_file_size=int(max_upload_mb * 2**20),
-        prevent_thread_lock=not block, quiet=quiet, show_error=False, ssr_mode=False, pwa=False,
-        mcp_server=False, enable_monitoring=False,
-        run_history=False,  # would keep every question and answer in the browser's storage
-        footer_links=["api"], css=_CSS,
-    )
+           auth: tuple[str, str] | None = None, block: bool = True, quiet: bool = False,
+           upload_max_age_s: float = UPLOAD_MAX_AGE_S):
+    """Serve the app: loopback by default, uploads capped, no run history, telemetry, MCP or SSR.
+
+    Every route sits behind `AccessGuard` (the login wall when `auth` is set); uploads go to the
+    folder named by GRADIO_TEMP_DIR, or to a private one made here, and a sweeper deletes any file
+    older than `upload_max_age_s` in it while the app serves (`demo.medvqa_uploads`)."""
+    uploads = UploadFolder(_upload_folder(), max_age_s=upload_max_age_s)
+    demo.medvqa_uploads = uploads
+    uploads.start_sweeper(lambda: bool(getattr(demo, "is_running", False)))
+    guard = Middleware(AccessGuard, uploads=uploads, login_required=auth is not None)
+    try:
+        return demo.launch(
+            server_name=host, server_port=port, auth=auth, max_file_size=int(max_upload_mb * 2**20),
+            prevent_thread_lock=not block, quiet=quiet, show_error=False, ssr_mode=False, pwa=False,
+            mcp_server=False, enable_monitoring=False,
+            run_history=False,  # would keep every question and answer in the browser's storage
+            footer_links=["api"], css=_CSS, app_kwargs={"middleware": [guard]},
+        )
+    except BaseException:
+        uploads.stop()  # it never served: no sweeper left behind
+        raise
+
+
+def _upload_folder() -> str:
+    """Gradio's upload folder for this process: GRADIO_TEMP_DIR when the operator set it (it must then
+    be the app's alone: the sweeper deletes what is older than a minute in it), else a private folder
+    (mode 0700) made now and removed at exit, rather than /tmp/gradio shared with other apps."""
+    folder = os.environ.get("GRADIO_TEMP_DIR")
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="medvqa-uploads-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["GRADIO_TEMP_DIR"] = folder  # read by Gradio when the server starts, and by _take_upload
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def auth_from_env(env: dict[str, str] | None = None) -> tuple[str, str] | None:

@@ -2,7 +2,9 @@
 
 Everything the model (or the user) wrote is made inert here before Gradio's Markdown sees it: no
 HTML, no Markdown, no autolinks. The only anchors are built from `Passage.url` of the passages an
-answer was given, and only for http(s) URLs.
+answer was given, and only for http(s) URLs. Passage fields (id, title, source, licence, text) go
+through `safe_text.inert`, the one escaping every exit of a passage uses; the sources block holds no
+newline at all, so nothing in a passage can end the HTML block and be read as Markdown.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import html
 import re
 from typing import TYPE_CHECKING
 
+from ..safe_text import inert, safe_url
+
 if TYPE_CHECKING:
+    from ..injection import InjectionFinding
     from ..retrieval import Passage
     from .session import _Answer
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>])")
 _MARKER = re.compile(r"\\\[(\d{1,2}(?:\s*,\s*\d{1,2})*)\\\]")  # an escaped [n] or [n, m]
-_HTTP_URL = re.compile(r"^https?://[^\s<>\"'`]+$", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ufffd]")
 
 
@@ -31,12 +35,13 @@ def _escape_model_text(text: str) -> str:
 
 
 def _link(url: str, label: str, css_class: str = "") -> str:
-    """An anchor to a passage URL; anything but http(s) gives plain text."""
-    if not isinstance(url, str) or not _HTTP_URL.match(url.strip()):
-        return html.escape(label)
+    """An anchor to a passage URL; anything but http(s) gives plain text. `label` is passage text."""
+    url = safe_url(url)
+    if not url:
+        return inert(label)
     class_attr = f' class="{css_class}"' if css_class else ""
-    return (f'<a{class_attr} href="{html.escape(url.strip(), quote=True)}" target="_blank" '
-            f'rel="noopener noreferrer">{html.escape(label)}</a>')
+    return (f'<a{class_attr} href="{html.escape(url, quote=True)}" target="_blank" '
+            f'rel="noopener noreferrer">{inert(label)}</a>')
 
 
 def _render_answer(answer: _Answer, final: bool) -> str:
@@ -54,26 +59,61 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         return body or _status("Answering…")
     if not body:
         body = "_(The model gave no answer.)_"
-    return body + "\n\n" + _sources_html(answer.passages, answer.note, answer.in_prompt)
+    warning = _injection_html(answer.injection) + "\n\n" if answer.injection is not None else ""
+    reliance = _reliance_html(answer.closed) + "\n\n" if answer.closed and answer.closed.get("flagged") else ""
+    return body + "\n\n" + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
+                                                                answer.support)
 
 
-def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True) -> str:
-    """The numbered sources of an answer. One HTML block with no blank line, so Markdown leaves it be."""
+def _reliance_html(closed: dict) -> str:
+    """The note under a closed answer that the model gives without looking at the scan."""
+    return ('<div class="medvqa-reliance">This answer does not depend on the image: with a blank image the '
+            'model gives the same answer, with most of the same margin.</div>')
+
+
+def _injection_html(finding: InjectionFinding) -> str:
+    """The warning shown under an answer that repeats an instruction or a link from a passage."""
+    return f'<div class="medvqa-injection" role="alert">⚠ {html.escape(finding.warning)}</div>'
+
+
+def _support_html(mark: tuple[str, str] | None) -> str:
+    """A source's mark: "supports the answer" only with the phrase the check matched (trust.mark_support)."""
+    if mark and mark[0] == "supports":
+        return f' <small class="medvqa-supports">supports the answer (mentions “{inert(mark[1])}”)</small>'
+    return ' <small class="medvqa-related">related</small>'
+
+
+def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, support: list | None = None) -> str:
+    """The numbered sources of an answer, each marked as supporting the answer or related. One HTML
+    block with no blank line, so Markdown leaves it be."""
     if not passages:
         reason = html.escape(note or "No literature passage was retrieved.")
         return f'<div class="medvqa-sources medvqa-no-sources"><b>No literature support.</b> {reason}</div>'
     items = []
-    for n, passage in enumerate(passages, start=1):
-        origin = " · ".join(html.escape(part) for part in (passage.id, passage.source, passage.license) if part)
+    marks = list(support or []) + [None] * (len(passages) - len(support or []))
+    for n, (passage, mark) in enumerate(zip(passages, marks), start=1):
+        origin = " · ".join(inert(part) for part in (passage.id, passage.source, passage.license) if inert(part))
         items.append(
-            f'<li value="{n}" class="medvqa-source" data-passage-id="{html.escape(passage.id, quote=True)}">'
+            f'<li value="{n}" class="medvqa-source" data-passage-id="{inert(passage.id)}">'
             f'[{n}] {_link(passage.url, _passage_label(passage), "medvqa-source-link")}'
-            + (f' <small>({origin})</small>' if origin else "")
-            + f'<details><summary>Passage text</summary><blockquote>{html.escape(passage.text)}</blockquote>'
+            + (f' <small>({origin})</small>' if origin else "") + _support_html(mark)
+            + f'<details><summary>Passage text</summary><blockquote>{_passage_text_html(passage.text)}</blockquote>'
               f'</details></li>')
-    heading = "<b>Sources</b>" if in_prompt else \
-        "<b>Related literature</b> <small>(retrieved for your question; this model answers from the image alone)</small>"
+    supported = any(mark and mark[0] == "supports" for mark in marks)
+    if in_prompt:
+        heading = "<b>Sources</b> <small>(the passages the model read)</small>"
+    else:
+        heading = ("<b>Related literature</b> <small>(retrieved for your question and this answer; this model "
+                   "answers from the image alone)</small>")
+    if not supported:
+        heading += " <small>No source supports this answer.</small>"
     return f'<div class="medvqa-sources">{heading}<ol>{"".join(items)}</ol></div>'
+
+
+def _passage_text_html(text: str) -> str:
+    """A passage's text, always as text: each line made inert, lines joined by <br> (never a newline,
+    which could end the HTML block and let the rest be read as Markdown)."""
+    return "<br>".join(line for line in (inert(line) for line in str(text or "").splitlines()) if line)
 
 
 def _passage_label(passage: Passage, limit: int = 90) -> str:

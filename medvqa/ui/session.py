@@ -1,17 +1,27 @@
 """One browser tab's state, kept in a `gr.State` and nowhere else, and the answer it is streaming.
 
-A session is never shared between tabs. Gradio drops it when the tab goes away and then calls
-`_close_session`, so the pipeline can forget the conversation's cached prompt.
+A session is never shared between tabs. When the tab goes away `_forget_closed_tabs` drops it from
+Gradio's state at once (Gradio would keep it an hour) and `_close_session` lets the pipeline forget
+the conversation's cached prompt.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import gradio as gr
 
 from ..imaging import Scan, ScanSource
+from ..injection import InjectionFinding
 from ..pipeline import Conversation, Pipeline
 from .transcript import _citation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +57,33 @@ def _close_session(session: _Session | None) -> None:
         session.close()
 
 
+def _forget_closed_tabs(demo: Any) -> Callable[[gr.Request], Awaitable[None]]:
+    """The app's unload handler: a tab's session is dropped when the tab goes away.
+
+    Left to itself, Gradio keeps a closed tab's gr.State for an hour (for a reconnect), and keeps
+    every output it sent the tab — the viewer's inline scan, the chat, the export — in that session's
+    config until 10,000 newer sessions push it out. So on unload the session's whole record is taken
+    out of Gradio's state holder (on the event loop, where Gradio's own expiry runs, so the two never
+    interleave) and its states' delete callbacks (`_close_session`) run in a worker thread. Reads
+    Gradio's `state_holder.session_data`; if that is not there, Gradio's own expiry stands."""
+    async def forget(request: gr.Request) -> None:
+        holder = getattr(demo, "state_holder", None)
+        session_hash = getattr(request, "session_hash", None)
+        sessions = getattr(holder, "session_data", None)
+        if not session_hash or not isinstance(sessions, dict) or session_hash not in sessions:
+            return
+        state = sessions.pop(session_hash)
+        getattr(holder, "time_last_used", {}).pop(session_hash, None)
+        try:
+            callbacks = [(component.delete_callback, value) for component, value, _ in state.state_components]
+        except Exception:  # noqa: BLE001 - a Gradio without these internals: the record is gone regardless
+            log.exception("could not read a closed tab's state")
+            return
+        await anyio.to_thread.run_sync(lambda: [callback(value) for callback, value in callbacks])
+
+    return forget
+
+
 @dataclass
 class _Answer:
     """The answer being streamed: what the chat shows of it so far, and what the transcript keeps."""
@@ -59,11 +96,23 @@ class _Answer:
     window: str = ""
     started: bool = False
     in_prompt: bool = True  # the model read the passages (else they are related literature only)
+    injection: InjectionFinding | None = None  # the answer repeats an instruction or link from a passage
+    support: list = field(default_factory=list)  # per passage: ("supports" | "related", phrase matched)
+    closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
+
+    def _marks(self) -> list:
+        """One support mark per passage (a passage without one is related literature)."""
+        return list(self.support) + [None] * (len(self.passages) - len(self.support))
 
     def record(self, stopped: bool = False) -> dict:
         """This turn as the transcript keeps it (`stopped`: the user pressed Stop before the end)."""
         return {"question": self.question, "answer": self.text.strip(), "stopped": stopped,
                 "window": self.window or self.scan.describe_window(), "frame": self.scan.frame_index + 1,
-                "citations": [_citation(n, p) for n, p in enumerate(self.passages, start=1)],
+                "citations": [dict(_citation(n, p), support=mark[0] if mark else "related")
+                              for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],
+                **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
+                                       "answer_without_image": str(self.closed["without_image"])}}
+                   if self.closed and "flagged" in self.closed else {}),
                 "citations_read_by_model": self.in_prompt,
-                **({"note": self.note} if not self.passages and self.note else {})}
+                **({"note": self.note} if not self.passages and self.note else {}),
+                **({"injection": self.injection.record()} if self.injection is not None else {})}

@@ -4,7 +4,10 @@ Called "transcript" here because "export" in this project also names the LLaVA c
 (medvqa/hf_export.py); the app's button and its API endpoint (`/export`) keep their names.
 
 The record holds questions, answers, citations and windows, never patient data or the image, and
-the downloads are inline data: links, so nothing is written to disk.
+the downloads are inline data: links, so nothing is written to disk. A citation's passage fields are
+made inert (`safe_text.inert`) once, when the record is built, so the JSON, the Markdown made from
+it and the page show them escaped the same way; its URL is kept only when it is a plain http(s) link.
+An answer flagged by the injection check (medvqa/injection.py) carries the warning in both.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import html
 import json
 from typing import TYPE_CHECKING
 
-from .render import _HTTP_URL, _MARKDOWN_SPECIAL, _escape_model_text
+from ..safe_text import inert, safe_url
+from .render import _escape_model_text
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -24,10 +28,9 @@ if TYPE_CHECKING:
 
 
 def _citation(n: int, passage: Passage) -> dict:
-    """Passage `n` of a turn as the record keeps it; a URL other than http(s) is left out."""
-    url = passage.url if isinstance(passage.url, str) and _HTTP_URL.match(passage.url) else ""
-    return {"n": n, "id": passage.id, "title": passage.title, "url": url, "source": passage.source,
-            "license": passage.license}
+    """Passage `n` of a turn as the record keeps it: fields inert, a URL other than http(s) left out."""
+    return {"n": n, "id": inert(passage.id), "title": inert(passage.title), "url": safe_url(passage.url),
+            "source": inert(passage.source), "license": inert(passage.license)}
 
 
 def _transcript_record(session: _Session, settings: Settings) -> dict:
@@ -63,6 +66,8 @@ def export_markdown(record: dict) -> str:
                   _escape_model_text(turn["answer"]) or "_(no answer)_", ""]
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
+        if turn.get("injection"):
+            lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
         if turn["citations"]:
             lines.append("Sources:" if turn.get("citations_read_by_model", True) else
                          "Related literature (not read by the model):")
@@ -74,10 +79,13 @@ def export_markdown(record: dict) -> str:
 
 
 def _markdown_citation(citation: dict) -> str:
-    label = _MARKDOWN_SPECIAL.sub(r"\\\1", citation["title"] or citation["id"])
-    if not citation["url"]:
+    """One numbered source line. Fields are inert already (and inert() again changes nothing, so a
+    record built elsewhere is escaped too); the URL is linked only when it is a plain http(s) link."""
+    label = inert(citation["title"] or citation["id"])
+    url = safe_url(citation["url"])
+    if not url:
         return f"{citation['n']}. {label}"
-    return f"{citation['n']}. [{label}](<{citation['url']}>) ({citation['id']})"
+    return f"{citation['n']}. [{label}](<{url}>) ({inert(citation['id'])})"
 
 
 def _download_link(name: str, mime: str, text: str, label: str) -> str:
