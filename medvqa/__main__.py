@@ -106,7 +106,7 @@ def _ask(args) -> int:
                 print(event.text, end="", flush=True)
             elif isinstance(event, Done):
                 print()
-                finding = check_answer(event.answer, event.passages)
+                finding = check_answer(event.answer, event.passages, question=args.question)
                 if finding is not None:
                     print(f"WARNING: {finding.warning}")
                 if event.passages:

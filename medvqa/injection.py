@@ -10,7 +10,7 @@ check compares the finished answer with the passages that were in its prompt, so
 ingest missed whatever the wording. It warns and never edits: the answer is still shown, as inert
 text in which no link or markup is live.
 
-    finding = check_answer(answer, passages)          # None, or an InjectionFinding
+    finding = check_answer(answer, passages, question=question)   # None, or an InjectionFinding
     if finding: show(finding.warning)
 
 Because it only warns, its instruction patterns are broader than the sanitiser's. It is called by
@@ -136,16 +136,20 @@ class InjectionFinding:
         return {"warning": self.warning, "kinds": list(self.kinds), "repeated": [inert(r) for r in self.repeated]}
 
 
-def check_answer(answer: str, passages: Sequence, citation_urls: Iterable[str] = ()) -> InjectionFinding | None:
+def check_answer(answer: str, passages: Sequence, citation_urls: Iterable[str] = (),
+                 question: str = "") -> InjectionFinding | None:
     """Flag `answer` when it repeats an instruction, markup or a web address from `passages` (objects
     with `.text` and `.url`). A web address is exempt when it belongs to a passage's own URL or to one of
-    `citation_urls`, the links the app itself shows. None when nothing was repeated."""
+    `citation_urls`, the links the app itself shows. Words the `question` asked about are expected in
+    an answer: a run of words counts as repeated only with a meaningful word the question lacks (an
+    answer to "How old is this haematoma?" may say "the haematoma is" whatever a passage says). None
+    when nothing was repeated."""
     texts = [str(getattr(p, "text", "") or "") for p in passages]
     if not answer or not answer.strip() or not any(texts):
         return None
     folded_answer = fold(answer)
     answer_tokens = _tokens(folded_answer)
-    answer_shingles = _shingles(answer_tokens)
+    answer_shingles = _shingles(answer_tokens, asked=frozenset(_tokens(fold(question))))
     kinds: list[str] = []
     repeated: list[str] = []
     for sentence, following in _sentences(texts):
@@ -231,10 +235,12 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
-def _shingles(tokens: list[str]) -> set[tuple[str, ...]]:
-    """Runs of SHINGLE_WORDS tokens with at least one that carries meaning (not all short or common)."""
+def _shingles(tokens: list[str], asked: frozenset[str] = frozenset()) -> set[tuple[str, ...]]:
+    """Runs of SHINGLE_WORDS tokens with at least one that carries meaning (not short, common or one
+    of the question's own words)."""
     return {tuple(tokens[i:i + SHINGLE_WORDS]) for i in range(len(tokens) - SHINGLE_WORDS + 1)
-            if any((len(t) >= 4 and t not in _STOPWORDS) or _CJK.match(t) for t in tokens[i:i + SHINGLE_WORDS])}
+            if any(((len(t) >= 4 and t not in _STOPWORDS) or _CJK.match(t)) and t not in asked
+                   for t in tokens[i:i + SHINGLE_WORDS])}
 
 
 def _contains(tokens: list[str], run: list[str]) -> bool:

@@ -233,7 +233,7 @@ def run_variant(pipeline, variant: Variant, scan) -> Outcome:
     canary = fold(variant.canary)
     in_prompt = any(canary in fold(p.text) for p in passages)
     reached = canary in fold(done.answer)
-    flagged = check_answer(done.answer, passages) is not None
+    flagged = check_answer(done.answer, passages, question=variant.question) is not None
     return Outcome(variant, retrieved, in_prompt, reached, flagged, done.answer)
 
 

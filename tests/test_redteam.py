@@ -133,6 +133,11 @@ def test_clean_answers_are_not_flagged():
                    "See https://pubmed.ncbi.nlm.nih.gov/3/ for the study."):
         assert check_answer(answer, raw + clean) is None, answer
     assert check_answer("", raw) is None and check_answer("Anything at all.", []) is None
+    # Found by `scripts/redteam.py --unsanitised` on the offline profile: the answer shares "the
+    # haematoma is" with the injected sentence, words the question asked about, not the injection's.
+    full_width = next(v for v in VARIANTS if v.name == "full-width")
+    assert check_answer("The haematoma is 10 years old.", raw, question=full_width.question) is None
+    assert check_answer(full_width.obeyed, raw, question=full_width.question) is not None
 
 
 def test_the_cli_prints_the_flag_and_passage_fields_escaped(monkeypatch, capsys, tmp_path):

@@ -211,7 +211,7 @@ class _Handlers:
                 return
             if event is None:
                 return
-            finding = _injection_finding(event, conversation) if isinstance(event, Done) else None
+            finding = _injection_finding(event, conversation, answer.question) if isinstance(event, Done) else None
             with session.lock:
                 if session.generation != generation:  # stopped, new conversation or new scan
                     return
@@ -273,12 +273,12 @@ class _Handlers:
         return _download_links(markdown, as_json), markdown, as_json
 
 
-def _injection_finding(done: Done, conversation):
+def _injection_finding(done: Done, conversation, question: str):
     """Whether the finished answer repeats an instruction, markup or a web address from a passage the
     model read in this conversation (earlier turns' passages stay in its prompt) or was shown beside it."""
     seen = list(done.passages) + [p for turn in conversation.history for p in (turn.passages or ())]
     try:
-        return check_answer(done.answer, seen)
+        return check_answer(done.answer, seen, question=question)
     except Exception:  # noqa: BLE001 - a failed check must not lose the answer; it is logged
         log.exception("the injection check failed")
         return None
