@@ -77,6 +77,13 @@ class DecoderConfig:
     # Added to the score of "Yes" (a mean log-probability): corrects the decoder's lean towards one
     # answer, chosen on held-out training questions by scripts/tune_closed.py; 0 = off.
     yes_bias: float = 0.0
+    # Confidence of closed answers (medvqa/confidence.py): a calibration fitted by
+    # scripts/calibrate_closed.py on held-out training images ("" = none: no confidence is shown and
+    # the app never abstains). Below min_confidence the app answers "Uncertain" with its leaning,
+    # unless abstain is false.
+    calibration: str = ""
+    min_confidence: float = 0.7
+    abstain: bool = True
     window_in_prompt: bool = True  # tell the decoder which window the scan is shown with (formats that allow it)
     # How the chat becomes prompt text (prompt.FORMATS): "chat_template" (the tokenizer's, with the app's
     # rules as system message) or "mistral_instruct" (LLaVA-Med v1.5's, rendered as its reference does).
@@ -159,7 +166,8 @@ def _offline_profile(cache_dir: str) -> Settings:
                               # It says No more often than the data do: on the 300 questions
                               # training held out (52 % Yes), scripts/tune_closed.py measured 36 % Yes
                               # and 62.3 % right at 0, 48 % and 64.7 % at 0.1 (the contrast did not help).
-                              yes_bias=0.1),
+                              yes_bias=0.1,
+                              calibration=str(REPO_ROOT / "weights" / "offline" / "calibration.json")),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are
         # shown to the clinician as related literature but not given to this model.

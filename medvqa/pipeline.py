@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .answers import closed_candidates, normalise, surface_forms
+from .confidence import leaning_text, load_calibration
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -140,6 +141,7 @@ class Pipeline:
                                      reserve_for_answer=settings.decoder.max_new_tokens,
                                      format=FORMATS[settings.decoder.conversation_format])
         self.turns = TurnTaking()
+        self.calibration = load_calibration(settings.decoder.calibration)
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True) -> "Pipeline":
@@ -253,8 +255,11 @@ class Pipeline:
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             choice, scores = self._option_scores(request, candidates)
-            closed = {"options": scores}
-            pieces: Iterator[str] = iter([choice])
+            decoder = self.settings.decoder
+            verdict = self.calibration.judge(scores, decoder.min_confidence, decoder.abstain)
+            closed = {"options": scores, **verdict.record()}
+            # Below the calibrated confidence the app says so, with its leaning, instead of answering.
+            pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
@@ -266,9 +271,11 @@ class Pipeline:
             yield Token(piece)
         answer = "".join(answer_parts).strip()
         timings.setdefault("ttft_s", time.perf_counter() - start)
-        asserted = claim(question, answer)
+        # An "Uncertain" answer asserts nothing: its sources are about the question.
+        claimed = "" if closed and closed["abstained"] else answer
+        asserted = claim(question, claimed)
         if not in_prompt:
-            shown = sources(claim_query(question, answer, asserted))
+            shown = sources(claim_query(question, claimed, asserted))
             shown.support = [mark_support(asserted, passage.text) for passage in passages]
             yield shown
         support = [mark_support(asserted, passage.text) for passage in passages]

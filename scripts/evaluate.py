@@ -89,6 +89,9 @@ def main() -> None:
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
+    # Accuracy is that of the option the model picks, at full coverage: an "Uncertain" answer would
+    # hide it. How often the app abstains, and accuracy against coverage: scripts/evaluate_grounding.py.
+    settings.decoder.abstain = False
     torch.manual_seed(settings.seed)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
     shuffled = derangement(examples)

@@ -15,9 +15,11 @@ question alone and for the question with the *reference* answer. The last line i
   marked "supports";
 - supported_precision: of passages marked "supports", the share containing the answer's terms or
   listed synonyms (1.0 by construction; checked here on real data);
-- risk_coverage: {"1.0", "0.75", "0.5"}: closed accuracy over the answers with the largest option
-  margins at those coverages; abstention_rate: null (no abstention threshold is shipped: it would be
-  chosen on held-out training images, which the shipped projector does not have);
+- risk_coverage: {"1.0", "0.75", "0.5"}: closed accuracy (of the option chosen, or leaned to when the
+  app abstained) over the answers with the highest calibrated confidence (medvqa/confidence.py; the
+  option margin without a calibration) at those coverages; abstention_rate: the share of closed
+  answers given as "Uncertain" at the profile's decoder.min_confidence, accuracy_answered: accuracy
+  over the rest;
 - image_reliance: {"flagged", "accuracy_flagged", "accuracy_unflagged"} over closed answers.
 """
 
@@ -76,21 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     question_only = reference_query = claim_supported = terms = marked = marked_ok = 0
     closed_rows: list[tuple[float, bool]] = []
     reliance_rows: list[tuple[bool, bool]] = []
+    answered_rows: list[tuple[bool, bool]] = []  # (abstained, right) per closed answer
     for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q", file=sys.stderr):
         conversation = Conversation(image=read_image(example.image))
         done = [event for event in pipeline.ask(conversation, example.question, max_new_tokens=args.max_new_tokens,
                                                 warm=False) if isinstance(event, Done)][-1]
         pipeline.end_conversation(conversation, keep_image=True)
-        asserted = claim(example.question, done.answer)
+        abstained = bool(done.closed and done.closed.get("abstained"))
+        asserted = claim(example.question, "" if abstained else done.answer)
         for passage, (mark, _) in zip(done.passages, done.support):
             if mark == "supports":
                 marked += 1
                 marked_ok += any(f" {normalise(t)} " in f" {normalise(passage.text)} " for t in
                                  _with_synonyms(asserted.terms))
         if example.answer_type == "CLOSED":
-            correct = closed_correct(done.answer, example.answer)
+            # An abstained answer is scored by its leaning: coverage is what the ranking below decides.
+            correct = closed_correct(done.closed["choice"] if done.closed else done.answer, example.answer)
             if done.closed:
-                closed_rows.append((done.closed.get("margin", 0.0), correct))
+                rank = done.closed["confidence"] if done.closed.get("confidence") is not None else done.closed["margin"]
+                closed_rows.append((rank, correct))
+                answered_rows.append((abstained, correct))
                 if "flagged" in done.closed:
                     reliance_rows.append((done.closed["flagged"], correct))
         elif is_term(example.answer):
@@ -109,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         "claim_support": round(claim_supported / max(1, terms), 4),
         "supported_precision": round(marked_ok / marked, 4) if marked else None,
         "risk_coverage": {str(c): accuracy_at(closed_rows, c) for c in (1.0, 0.75, 0.5)},
-        "abstention_rate": None,
+        "abstention_rate": round(sum(a for a, _ in answered_rows) / len(answered_rows), 4) if answered_rows else None,
+        "accuracy_answered": (round(sum(c for a, c in answered_rows if not a) / answered, 4)
+                              if (answered := sum(not a for a, _ in answered_rows)) else None),
+        "min_confidence": settings.decoder.min_confidence if pipeline.calibration.fits else None,
         "image_reliance": {"flagged": round(len(flagged) / max(1, len(reliance_rows)), 4),
                            "accuracy_flagged": round(sum(flagged) / len(flagged), 4) if flagged else None,
                            "accuracy_unflagged": round(sum(unflagged) / len(unflagged), 4) if unflagged else None},

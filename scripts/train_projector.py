@@ -141,6 +141,7 @@ def main() -> None:
         print(f"LoRA rank {args.lora} on the decoder: {sum(p.numel() for p in adapters):,} trained parameters")
 
     held_out, held_out_shuffled = [], []
+    left_out_images: set = set()
     choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
                     for word in ("yes", "no"))
     if args.val:
@@ -156,6 +157,7 @@ def main() -> None:
         held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
                              for k, item in enumerate(held_out)]
         leaving = set(left_out)
+        left_out_images = {examples[i].image for i in left_out}
         train = [item for i, item in enumerate(train) if i not in leaving]
         spec_of = [spec for i, spec in enumerate(spec_of) if i not in leaving]
     if args.repeat:
@@ -277,6 +279,7 @@ def main() -> None:
                       "text": decoder.hidden_size},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
         "held_out_by_image": args.val_by_image,
+        "held_out_images": len(left_out_images) if args.val_by_image else None,
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,

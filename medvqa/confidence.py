@@ -1,0 +1,147 @@
+"""How likely a closed answer is to be right, and when the app says "Uncertain" instead.
+
+The constrained decoder scores every option a closed question names (pipeline._option_scores). The
+margin between the best and the second-best option is turned into a probability of being right by a
+logistic fit (Platt scaling), one per kind of question ("yes/no", and "choice" for "A or B?"), fitted
+by `scripts/calibrate_closed.py` on closed questions about training images that the projector never
+saw (`train_projector.py --val-by-image`), never on a validation or test split. The fit is a JSON
+file beside the projector:
+
+    calibration = Calibration.load("weights/offline/calibration.json")
+    verdict = calibration.judge({"yes": -0.61, "no": -0.75}, min_confidence=0.7)
+    verdict.choice, verdict.confidence, verdict.abstained     # "yes", 0.58, True
+
+Below `decoder.min_confidence` the app answers "Uncertain — the model cannot tell from this image"
+and shows the option it leans to, instead of a coin flip presented as an answer
+(`decoder.abstain = false` turns that off). A profile without a calibration file shows no confidence
+and never abstains: there is nothing measured to base either on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+YES_NO = "yes/no"
+CHOICE = "choice"
+
+
+def question_kind(options) -> str:
+    """"yes/no" when the options are yes and no (in any spelling), else "choice"."""
+    return YES_NO if {str(o).strip().lower() for o in options} == {"yes", "no"} else CHOICE
+
+
+def ranked(scores: dict[str, float]) -> tuple[str, float]:
+    """(the best option, its margin over the second best; 0 with a single option)."""
+    order = sorted(scores.items(), key=lambda item: -item[1])
+    return order[0][0], (order[0][1] - order[1][1] if len(order) > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    choice: str  # the option with the best score (the leaning, when abstained)
+    margin: float  # its score minus the runner-up's (mean log-probability units)
+    kind: str  # YES_NO or CHOICE
+    confidence: float | None  # calibrated probability that `choice` is right; None without calibration
+    abstained: bool  # the app says "Uncertain" and shows `choice` as the leaning
+
+    def record(self) -> dict:
+        return {"choice": self.choice, "margin": round(self.margin, 4), "kind": self.kind,
+                "confidence": None if self.confidence is None else round(self.confidence, 4),
+                "abstained": self.abstained}
+
+
+@dataclass
+class Calibration:
+    """Per kind of question, P(right | margin) = sigmoid(a * margin + b)."""
+    fits: dict[str, tuple[float, float]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # where and how it was fitted (written by the script)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        data = json.loads(Path(path).read_text())
+        try:
+            fits = {kind: (float(fit["a"]), float(fit["b"])) for kind, fit in data["fits"].items()}
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path} is not a closed-answer calibration (fits: {{kind: {{a, b}}}})") from error
+        return cls(fits, {k: v for k, v in data.items() if k != "fits"})
+
+    def save(self, path: str | Path) -> None:
+        body = {"fits": {kind: {"a": a, "b": b} for kind, (a, b) in self.fits.items()}, **self.meta}
+        Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+    def confidence(self, margin: float, kind: str) -> float | None:
+        fit = self.fits.get(kind)
+        if fit is None:
+            return None
+        return _sigmoid(fit[0] * margin + fit[1])
+
+    def judge(self, scores: dict[str, float], min_confidence: float, abstain: bool = True) -> Verdict:
+        choice, margin = ranked(scores)
+        kind = question_kind(scores)
+        confidence = self.confidence(margin, kind)
+        abstained = bool(abstain and confidence is not None and confidence < min_confidence)
+        return Verdict(choice, margin, kind, confidence, abstained)
+
+
+def load_calibration(path: str) -> Calibration:
+    """The calibration at `path`; an empty one (no confidence, no abstention) when `path` is "" or
+    names no file, which is logged. A file that is not a calibration is an error."""
+    if not path:
+        return Calibration()
+    if not Path(path).is_file():
+        log.warning("no closed-answer calibration at %s: closed answers are shown without a confidence", path)
+        return Calibration()
+    return Calibration.load(path)
+
+
+def fit_platt(margins, correct, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, float]:
+    """Logistic regression of `correct` (0/1) on `margin` by Newton's method, with a small ridge on
+    the slope so that a margin that predicts nothing fits a slope near 0. Returns (a, b)."""
+    x = np.asarray(margins, dtype=np.float64)
+    y = np.asarray(correct, dtype=np.float64)
+    if len(x) == 0:
+        raise ValueError("no questions to fit a calibration on")
+    design = np.stack([x, np.ones_like(x)], axis=1)
+    weights = np.zeros(2)
+    penalty = np.diag([ridge * len(x), 0.0])
+    for _ in range(iterations):
+        p = 1.0 / (1.0 + np.exp(-(design @ weights)))
+        gradient = design.T @ (p - y) + penalty @ weights
+        hessian = design.T @ (design * (p * (1 - p))[:, None]) + penalty + 1e-9 * np.eye(2)
+        step = np.linalg.solve(hessian, gradient)
+        weights -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    return float(weights[0]), float(weights[1])
+
+
+def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:
+    """Per confidence bin: how many answers, their mean confidence and how many were right."""
+    c = np.asarray(confidences, dtype=np.float64)
+    y = np.asarray(correct, dtype=np.float64)
+    rows = []
+    for low, high in zip(bins[:-1], bins[1:]):
+        inside = (c >= low) & ((c < high) | (high >= 1.0))
+        if inside.any():
+            rows.append({"bin": f"{low:.1f}-{high:.1f}", "n": int(inside.sum()),
+                         "mean_confidence": round(float(c[inside].mean()), 4),
+                         "accuracy": round(float(y[inside].mean()), 4)})
+    return rows
+
+
+def leaning_text(verdict: Verdict) -> str:
+    """The answer shown instead of a closed answer the model cannot be trusted on."""
+    return (f"Uncertain — the model cannot tell from this image (it leans to {verdict.choice.capitalize()}, "
+            f"estimated {verdict.confidence:.0%} likely to be right).")
+
+
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))

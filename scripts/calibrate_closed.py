@@ -1,0 +1,149 @@
+"""Fit the confidence of closed answers on held-out training images (medvqa/confidence.py).
+
+    python scripts/calibrate_closed.py --profile offline --data vqa-rad:train slake:train --val 400 \\
+        --val-by-image --out weights/offline/calibration.json
+
+Takes the images `train_projector.py --val 400 --val-by-image` left out of training (same data, same
+seed: whole images the projector never saw), asks the app every closed question about them as a
+clinician would (constrained options, the profile's yes_bias; no abstention while fitting) and fits
+P(right | option margin) per kind of question (yes/no, "A or B"). Never run it on a validation or test
+split. The fit is written to --out with where it came from; the scores are kept (--scores) so that
+--reuse refits without the model.
+
+Besides the in-sample reliability table, it reports the fit out of sample: 5 folds by image, each
+fitted on the other four, give each question a confidence it was not fitted on; the share answered
+and their accuracy at decoder.min_confidence come from those. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from medvqa.config import PROFILES, load_settings
+from medvqa.confidence import Calibration, fit_platt, reliability
+
+MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
+
+
+def score_held_out(args, settings) -> dict:
+    from tqdm import tqdm
+
+    from medvqa.answers import closed_candidates, closed_correct
+    from medvqa.datasets import load_specs, read_image
+    from medvqa.pipeline import Conversation, Done, Pipeline
+    from medvqa_train.data import held_out_images, held_out_yes_no
+
+    examples = load_specs(args.data)
+    left_out = (held_out_images(examples, args.val, args.seed)[1] if args.val_by_image
+                else held_out_yes_no(examples, args.val, args.seed))
+    closed = [examples[i] for i in left_out
+              if examples[i].answer_type == "CLOSED" and closed_candidates(examples[i].question)]
+    settings.decoder.abstain = False
+    settings.decoder.image_reliance = False
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    rows = {"margin": [], "kind": [], "correct": [], "image": []}
+    for example in tqdm(closed, desc="held-out closed questions", unit="q", file=sys.stderr):
+        conversation = Conversation(image=read_image(example.image))
+        done = [e for e in pipeline.ask(conversation, example.question, use_retrieval=False, warm=False)
+                if isinstance(e, Done)][-1]
+        pipeline.end_conversation(conversation, keep_image=True)
+        rows["margin"].append(done.closed["margin"])
+        rows["kind"].append(done.closed["kind"])
+        rows["correct"].append(bool(closed_correct(done.closed["choice"], example.answer)))
+        rows["image"].append(str(example.image))
+    return {key: np.asarray(value) for key, value in rows.items()}
+
+
+def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibration:
+    pooled = fit_platt(margin, correct)
+    fits = {}
+    for name in ("yes/no", "choice"):
+        mine = kind == name
+        fits[name] = fit_platt(margin[mine], correct[mine]) if mine.sum() >= MIN_PER_KIND else pooled
+    return Calibration(fits)
+
+
+def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
+    """Each question's confidence from a fit on the other folds (folds drawn by image)."""
+    images = sorted(set(scores["image"].tolist()))
+    random.Random(seed).shuffle(images)
+    fold_of = {image: i % folds for i, image in enumerate(images)}
+    which = np.asarray([fold_of[image] for image in scores["image"]])
+    confidence = np.zeros(len(which))
+    for k in range(folds):
+        rest = which != k
+        calibration = fit(scores["margin"][rest], scores["kind"][rest], scores["correct"][rest])
+        for i in np.flatnonzero(~rest):
+            confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]))
+    return confidence
+
+
+def summary_at(confidence: np.ndarray, correct: np.ndarray, threshold: float) -> dict:
+    kept = confidence >= threshold
+    return {"answered": round(float(kept.mean()), 4),
+            "accuracy_answered": round(float(correct[kept].mean()), 4) if kept.any() else None,
+            "accuracy_all": round(float(correct.mean()), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
+    parser.add_argument("--engine", default="", help="decoder engine (default: the profile's choice)")
+    parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
+                        help="the training data, as given to train_projector.py")
+    parser.add_argument("--val", type=int, default=400, help="as given to train_projector.py")
+    parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
+    parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
+    parser.add_argument("--out", default=None, help="calibration file (default: the profile's decoder.calibration)")
+    parser.add_argument("--scores", default="runs/calibrate-closed-scores.npz")
+    parser.add_argument("--reuse", action="store_true", help="refit from the saved scores")
+    args = parser.parse_args(argv)
+    if not args.val_by_image:
+        print("warning: without --val-by-image the held-out questions share images with training; "
+              "the confidence will be too high on new images", file=sys.stderr)
+
+    settings = load_settings(args.profile)
+    if args.engine:
+        settings.decoder.engine = args.engine
+    out = Path(args.out or settings.decoder.calibration)
+    if args.reuse:
+        scores = dict(np.load(args.scores))
+    else:
+        scores = score_held_out(args, settings)
+        Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.scores, **scores)
+    margin, kind, correct = scores["margin"].astype(float), scores["kind"], scores["correct"].astype(bool)
+    calibration = fit(margin, kind, correct)
+    in_sample = np.asarray([calibration.confidence(float(m), str(k)) for m, k in zip(margin, kind)])
+    held = out_of_fold({**scores, "margin": margin, "correct": correct})
+    threshold = settings.decoder.min_confidence
+    projector = Path(settings.projector.weights)
+    calibration.meta = {
+        "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image, "seed": args.seed,
+                      "questions": int(len(correct)), "images": int(len(set(scores["image"].tolist()))),
+                      "by_kind": {name: int((kind == name).sum()) for name in ("yes/no", "choice")}},
+        "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
+        "yes_bias": settings.decoder.yes_bias,
+        "reliability_in_sample": reliability(in_sample, correct),
+        "out_of_fold": {"min_confidence": threshold, **summary_at(held, correct, threshold),
+                        "reliability": reliability(held, correct)},
+        "command": "python " + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    calibration.save(out)
+    print(f"{len(correct)} held-out closed questions on {calibration.meta['fitted_on']['images']} images; "
+          f"accuracy {correct.mean():.3f}; written to {out}", file=sys.stderr)
+    print(json.dumps({"fits": {k: {"a": round(a, 4), "b": round(b, 4)} for k, (a, b) in calibration.fits.items()},
+                      "out_of_fold": calibration.meta["out_of_fold"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Closed-answer confidence: the fit, the verdict, abstention in the pipeline, and the calibration script."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from medvqa.confidence import (CHOICE, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
+                               question_kind, reliability)
+from medvqa.pipeline import Conversation, Done, Token
+
+
+def test_the_fit_recovers_a_known_logistic_and_finds_no_slope_in_noise():
+    rng = np.random.default_rng(0)
+    margin = rng.uniform(0, 2, 4000)
+    right = rng.random(4000) < 1 / (1 + np.exp(-(2.0 * margin - 1.0)))
+    a, b = fit_platt(margin, right)
+    assert abs(a - 2.0) < 0.25 and abs(b + 1.0) < 0.2
+    # A margin that says nothing about being right: a flat fit at the base rate.
+    a, b = fit_platt(margin, rng.random(4000) < 0.55)
+    assert abs(a) < 0.1 and abs(1 / (1 + np.exp(-(a + b))) - 0.55) < 0.03
+    with pytest.raises(ValueError):
+        fit_platt([], [])
+
+
+def test_kinds_verdicts_and_abstention():
+    assert question_kind({"yes": 0, "no": 0}) == YES_NO and question_kind({"left": 0, "right": 0}) == CHOICE
+    calibration = Calibration({YES_NO: (1.0, 0.0), CHOICE: (4.0, 0.0)})
+    low = calibration.judge({"yes": -0.5, "no": -0.6}, min_confidence=0.7)
+    assert low.choice == "yes" and abs(low.margin - 0.1) < 1e-9 and low.kind == YES_NO
+    assert 0.5 < low.confidence < 0.7 and low.abstained
+    assert not calibration.judge({"yes": -0.5, "no": -0.6}, min_confidence=0.7, abstain=False).abstained
+    high = calibration.judge({"left lung": -0.1, "right lung": -0.5}, min_confidence=0.7)
+    assert high.kind == CHOICE and high.confidence > 0.8 and not high.abstained
+    text = leaning_text(low)
+    assert text.startswith("Uncertain — the model cannot tell from this image") and "Yes" in text
+    # No calibration: nothing measured, so no confidence and never an abstention.
+    bare = Calibration().judge({"yes": -0.5, "no": -0.6}, min_confidence=0.99)
+    assert bare.confidence is None and not bare.abstained
+
+
+def test_calibration_files_round_trip_and_bad_ones_are_refused(tmp_path):
+    path = tmp_path / "calibration.json"
+    Calibration({YES_NO: (1.5, -0.2)}, {"fitted_on": {"questions": 3}}).save(path)
+    loaded = load_calibration(str(path))
+    assert loaded.fits == {YES_NO: (1.5, -0.2)} and loaded.meta["fitted_on"]["questions"] == 3
+    assert load_calibration("").fits == {} and load_calibration(str(tmp_path / "missing.json")).fits == {}
+    path.write_text(json.dumps({"fits": {YES_NO: {"slope": 1}}}))
+    with pytest.raises(ValueError, match="not a closed-answer calibration"):
+        load_calibration(str(path))
+
+
+def test_reliability_bins_count_every_answer():
+    rows = reliability([0.55, 0.65, 0.95, 1.0], [True, False, True, True])
+    assert sum(row["n"] for row in rows) == 4 and rows[-1]["accuracy"] == 1.0
+
+
+def _ask(pipeline, question):
+    image = np.random.default_rng(3).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    return list(pipeline.ask(Conversation(image=image), question, use_retrieval=False, warm=False))
+
+
+def test_the_pipeline_says_uncertain_below_the_threshold_and_answers_above(tiny_pipeline):
+    saved = tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain
+    try:
+        # A calibration under which every yes/no answer is a coin flip.
+        tiny_pipeline.calibration = Calibration({YES_NO: (0.0, 0.0), CHOICE: (0.0, 0.0)})
+        events = _ask(tiny_pipeline, "Is the heart enlarged?")
+        done = events[-1]
+        assert isinstance(done, Done) and done.closed["abstained"] and done.closed["confidence"] == 0.5
+        assert done.answer.startswith("Uncertain — the model cannot tell from this image")
+        assert done.closed["choice"].capitalize() in done.answer  # the leaning is shown
+        assert "".join(e.text for e in events if isinstance(e, Token)).strip() == done.answer
+        assert all(mark == "related" for mark, _ in done.support)  # "Uncertain" claims nothing
+        # The setting that turns abstention off: the same choice, given as the answer.
+        tiny_pipeline.settings.decoder.abstain = False
+        plain = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
+        assert not plain.closed["abstained"] and plain.answer.lower() == done.closed["choice"]
+        assert plain.closed["confidence"] == 0.5  # still shown
+        # Confident: answered as before.
+        tiny_pipeline.settings.decoder.abstain = True
+        tiny_pipeline.calibration = Calibration({YES_NO: (0.0, 5.0), CHOICE: (0.0, 5.0)})
+        sure = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
+        assert not sure.closed["abstained"] and sure.answer in ("Yes", "No") and sure.closed["confidence"] > 0.99
+    finally:
+        tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain = saved
+
+
+def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settings, monkeypatch):
+    """The script end to end on a tiny training split laid out like the public ones (tiny profile)."""
+    from PIL import Image
+
+    from .conftest import load_script
+
+    data = tmp_path / "bench"
+    (data / "images").mkdir(parents=True)
+    rows = []
+    for n in range(4):
+        Image.fromarray(np.full((32, 32, 3), 40 * n, np.uint8)).save(data / "images" / f"{n}.png")
+        rows += [{"image": f"{n}.png", "question": "Is the liver enlarged?", "answer": "yes" if n % 2 else "no",
+                  "answer_type": "CLOSED"},
+                 {"image": f"{n}.png", "question": "Is this a CT or an MRI?", "answer": "CT", "answer_type": "CLOSED"},
+                 {"image": f"{n}.png", "question": "What organ is shown?", "answer": "liver", "answer_type": "OPEN"}]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    script = load_script("calibrate_closed")
+    monkeypatch.setattr(script, "load_settings", lambda profile: copy.deepcopy(tiny_settings))
+    monkeypatch.setattr(script, "MIN_PER_KIND", 1)
+    out = tmp_path / "calibration.json"
+    assert script.main(["--profile", "tiny", "--data", f"jsonl:{data}:train", "--val", "2", "--val-by-image",
+                        "--out", str(out), "--scores", str(tmp_path / "scores.npz")]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved["fits"]) == {YES_NO, CHOICE}
+    fitted = saved["fitted_on"]
+    assert fitted["val_by_image"] and fitted["images"] >= 2 and fitted["by_kind"] == {YES_NO: fitted["images"],
+                                                                                      CHOICE: fitted["images"]}
+    assert saved["out_of_fold"]["min_confidence"] == tiny_settings.decoder.min_confidence
+    assert load_calibration(str(out)).fits  # the app reads what the script wrote
+    # --reuse refits from the saved scores without the model.
+    assert script.main(["--reuse", "--out", str(out), "--scores", str(tmp_path / "scores.npz"),
+                        "--val-by-image"]) == 0
