@@ -193,6 +193,44 @@ def test_passage_text_shows_as_text_in_the_browser(page, ui_pipeline, monkeypatc
     screenshot(page, "06-passage-shown-as-text.png")
 
 
+def test_confidence_support_marks_and_image_reliance_in_the_browser(page, ui_pipeline, monkeypatch):  # noqa: F811
+    """A closed answer the calibration calls a coin flip is shown as "Uncertain" with its leaning; a
+    confident one shows its confidence, a source marked as supporting it with the phrase matched, and
+    the note that it does not depend on the image (a Yes forced by a large yes_bias survives a blank image)."""
+    from medvqa.confidence import CHOICE, YES_NO, Calibration
+    from medvqa.retrieval import Passage
+
+    passage = Passage("p1", "Chest radiograph showing an enlarged cardiac silhouette.",
+                      "https://pubmed.ncbi.nlm.nih.gov/31001002/", "Cardiomegaly", "PubMed", "", 1.0)
+    monkeypatch.setattr(ui_pipeline, "retrieve", lambda *a, **k: [passage])
+    monkeypatch.setattr(ui_pipeline, "calibration", Calibration({YES_NO: (0.0, 0.0), CHOICE: (0.0, 0.0)}))
+    monkeypatch.setattr(ui_pipeline.settings.decoder, "yes_bias", 100.0)
+    upload_scan(page, dicom_file("CT_small.dcm"))
+
+    def ask(question: str, expected: str):
+        page.locator("#medvqa-question textarea").fill(question)
+        page.click("#medvqa-ask")
+        reply = page.locator(LAST_REPLY)
+        page.wait_for_function("([sel, text]) => { const el = document.querySelectorAll(sel); "
+                               "return el.length && el[el.length - 1].innerText.includes(text); }",
+                               arg=["#medvqa-chat [data-testid='bot']", expected], timeout=120_000)
+        reply.locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+        return reply
+
+    uncertain = ask("Is the heart enlarged?", "Not answered")
+    text = uncertain.inner_text()
+    assert text.startswith("Uncertain — the model cannot tell from this image") and "leans to Yes" in text
+    assert "supports the answer" not in text  # "Uncertain" claims nothing for a source to support
+    screenshot(page, "07-uncertain-closed-answer.png")
+
+    monkeypatch.setattr(ui_pipeline, "calibration", Calibration({YES_NO: (0.0, 3.0), CHOICE: (0.0, 3.0)}))
+    confident = ask("Is the heart enlarged?", "does not depend on the image")
+    text = confident.inner_text()
+    assert text.startswith("Yes") and "Confidence: 95 %" in text
+    assert "supports the answer (mentions “enlarged cardiac silhouette”)" in text
+    screenshot(page, "08-confidence-support-and-reliance.png")
+
+
 def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
     """With a login set, Chromium gets Gradio's login form (everything else is behind the login wall),
     and the app once logged in."""

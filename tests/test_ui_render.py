@@ -139,3 +139,27 @@ def test_sources_are_marked_supports_only_with_the_phrase_matched_and_a_blind_an
     answer.support, answer.closed = [("related", ""), ("related", "")], {"flagged": False}
     rendered = _render_answer(answer, final=True)
     assert "No source supports this answer." in rendered and "does not depend on the image" not in rendered
+
+
+def test_closed_answers_show_their_confidence_an_uncertain_one_says_it_and_an_uncalibrated_one_says_so():
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import export_markdown
+
+    closed = {"options": {"yes": -0.5, "no": -0.6}, "choice": "yes", "margin": 0.1, "kind": "yes/no",
+              "confidence": 0.81, "abstained": False}
+    answer = _Answer("Is the heart enlarged?", scan=None, passages=[], text="Yes", closed=dict(closed))
+    assert "Confidence: 81 %" in _render_answer(answer, final=True)
+    answer.text = "Uncertain — the model cannot tell from this image (it leans to Yes, estimated 55% likely to be right)."
+    answer.closed = dict(closed, confidence=0.55, abstained=True)
+    rendered = _render_answer(answer, final=True)
+    assert rendered.startswith("Uncertain — the model cannot tell from this image")
+    assert "medvqa-uncertain" in rendered and "55 %" in rendered
+    answer.closed = dict(closed, confidence=None)
+    assert "not measured for this model" in _render_answer(answer, final=True)
+    assert "Confidence" not in _render_answer(_Answer("What organ?", scan=None, passages=[], text="Liver"), final=True)
+    record = {"notice": "n", "exported_at": "t", "profile": "tiny", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": "Is the heart enlarged?", "answer": answer.text, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [], "closed": {"choice": "yes", "abstained": True,
+                                                                       "confidence": 0.55}}]}
+    assert "- Confidence: 55 %; not answered (uncertain)" in export_markdown(record)

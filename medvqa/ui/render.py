@@ -61,8 +61,22 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         body = "_(The model gave no answer.)_"
     warning = _injection_html(answer.injection) + "\n\n" if answer.injection is not None else ""
     reliance = _reliance_html(answer.closed) + "\n\n" if answer.closed and answer.closed.get("flagged") else ""
-    return body + "\n\n" + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
+    confidence = _confidence_html(answer.closed) + "\n\n" if answer.closed and "kind" in answer.closed else ""
+    return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
                                                                 answer.support)
+
+
+def _confidence_html(closed: dict) -> str:
+    """How likely a closed answer is to be right (medvqa/confidence.py), or that nobody measured it."""
+    if closed.get("confidence") is None:
+        return ('<div class="medvqa-confidence">Confidence: not measured for this model (no calibration), so '
+                'treat this answer as unverified.</div>')
+    share = f"{100 * closed['confidence']:.0f} %"
+    if closed.get("abstained"):
+        return (f'<div class="medvqa-confidence medvqa-uncertain">Not answered: the option it leans to is '
+                f'estimated right {share} of the time on images it was not trained on.</div>')
+    return (f'<div class="medvqa-confidence">Confidence: {share} (how often answers with this margin were right '
+            f'on held-out training images).</div>')
 
 
 def _reliance_html(closed: dict) -> str:

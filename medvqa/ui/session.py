@@ -110,6 +110,9 @@ class _Answer:
                 "window": self.window or self.scan.describe_window(), "frame": self.scan.frame_index + 1,
                 "citations": [dict(_citation(n, p), support=mark[0] if mark else "related")
                               for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],
+                **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
+                               "confidence": self.closed["confidence"]}}
+                   if self.closed and "kind" in self.closed else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),

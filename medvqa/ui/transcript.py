@@ -66,6 +66,12 @@ def export_markdown(record: dict) -> str:
                   _escape_model_text(turn["answer"]) or "_(no answer)_", ""]
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
+        if turn.get("closed"):
+            confidence = turn["closed"]["confidence"]
+            lines += [f"- Confidence: {'not measured' if confidence is None else f'{100 * confidence:.0f} %'}"
+                      + ("; not answered (uncertain)" if turn["closed"]["abstained"] else "")
+                      + ("; the same answer without the image" if turn.get("image_reliance", {}).get("flagged") else ""),
+                      ""]
         if turn.get("injection"):
             lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
         if turn["citations"]:
