@@ -3,6 +3,7 @@
     medvqa ask IMAGE "QUESTION"          answer a question about an image (or --slice K of a series)
     medvqa scan FILE                     the safe metadata, window and frames of a file
     medvqa scan PATH --json              the series in a file, folder or .zip: slices in display order
+    medvqa scan --pacs-url URL --json    the series of a study in a PACS (its identifier read from stdin)
     medvqa prompt "QUESTION"             the exact prompt text the profile's decoder would get
 """
 
@@ -30,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     scan = commands.add_parser("scan", help="show the safe metadata, window and frames of a file, or the "
                                             "series of a folder or .zip")
-    scan.add_argument("file", help="a file, a folder or a .zip")
+    scan.add_argument("file", nargs="?", help="a file, a folder or a .zip")
+    scan.add_argument("--pacs-url", default=None,
+                      help="instead of a file: a DICOMweb endpoint; the Study Instance UID or accession number is "
+                           "read from standard input (so that it stays out of the shell history and process list)")
     scan.add_argument("--json", action="store_true",
                       help='print {"series": [{"modality", "slices", "positions_mm", "warnings"}, ...], "notes"}')
 
@@ -44,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="put N stand-in passages where retrieved literature goes")
 
     args = parser.parse_args(argv)
+    if args.command == "scan" and args.pacs_url:
+        return _scan_pacs(args.pacs_url, as_json=args.json)
+    if args.command == "scan" and not args.file:
+        parser.error("scan needs a file, a folder or a .zip, or --pacs-url")
     if args.command == "scan":
         from .imaging import cli_scan, cli_scan_study
 
@@ -53,6 +61,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prompt":
         return _print_prompt(args)
     return _ask(args)
+
+
+def _scan_pacs(url: str, as_json: bool) -> int:
+    """`medvqa scan --pacs-url URL`: every series of the study named on standard input, fetched and
+    opened as an upload would be; printed as `scan PATH` prints them."""
+    import json
+
+    from .pacs import Pacs, PacsError
+
+    try:
+        pacs = Pacs(url)
+        studies = [pacs.fetch(remote) for remote in pacs.find_series(sys.stdin.readline())]
+    except (PacsError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summaries = [dict(series.summary(), series=number) for number, study in enumerate(studies, start=1)
+                 for series in study.series]
+    if as_json:
+        print(json.dumps({"series": summaries, "notes": [note for study in studies for note in study.notes]}))
+    else:
+        for summary in summaries:
+            print(f"Series {summary['series']}: {summary['modality']}, {summary['slices']} slices"
+                  + "".join(f"\n  warning: {warning}" for warning in summary["warnings"]))
+    return 0
 
 
 def _is_single_file(path: str) -> bool:

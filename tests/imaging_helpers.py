@@ -83,7 +83,7 @@ def encode(image: Image.Image, fmt: str, **options) -> bytes:
 PLANTED = {"PatientName": "Plantedsurname^Plantedgiven", "PatientID": "PLANTED-ID-7731",
            "PatientBirthDate": "19410203", "AccessionNumber": "ACCPLANT5512",
            "InstitutionName": "Planted Memorial Hospital", "ReferringPhysicianName": "Planteddoctor^Referrer",
-           "StudyDescription": "PLANTEDSTUDYDESC chest", "SeriesDescription": "PLANTEDSERIESDESC axial"}
+           "StudyDescription": "PLANTEDSTUDYDESC", "SeriesDescription": "PLANTEDSERIESDESC"}
 
 
 def slice_hu(index: int, size: int = 64) -> np.ndarray:
