@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--max-upload-mb", type=float, default=100, help="largest upload accepted (default 100)")
     parser.add_argument("--concurrency", type=int, default=8, help="answers generated at once (default 8)")
+    parser.add_argument("--pacs-url", default=None,
+                        help="a DICOMweb endpoint (QIDO-RS, WADO-RS) to open studies from, e.g. "
+                             "http://pacs:8042/dicom-web; credentials from MEDVQA_PACS_USERNAME and "
+                             "MEDVQA_PACS_PASSWORD, or MEDVQA_PACS_TOKEN")
     parser.add_argument("--insecure-no-login", action="store_true",
                         help="listen on a non-loopback --host without a login (only behind a layer that has its "
                              "own, e.g. a reverse proxy or a Docker port published on 127.0.0.1)")
@@ -63,7 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True)
     if auth is None and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
-    demo = build_app(pipeline, settings, max_upload_mb=args.max_upload_mb, concurrency=args.concurrency)
+    pacs = None
+    if args.pacs_url:
+        from medvqa.pacs import Pacs
+
+        try:
+            pacs = Pacs(args.pacs_url)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    demo = build_app(pipeline, settings, max_upload_mb=args.max_upload_mb, concurrency=args.concurrency, pacs=pacs)
     launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth)
     return 0
 

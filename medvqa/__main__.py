@@ -1,7 +1,9 @@
 """Command line (`medvqa`, or `python -m medvqa`):
 
-    medvqa ask IMAGE "QUESTION"          answer a question about an image
+    medvqa ask IMAGE "QUESTION"          answer a question about an image (or --slice K of a series)
     medvqa scan FILE                     the safe metadata, window and frames of a file
+    medvqa scan PATH --json              the series in a file, folder or .zip: slices in display order
+    medvqa scan --pacs-url URL --json    the series of a study in a PACS (its identifier read from stdin)
     medvqa prompt "QUESTION"             the exact prompt text the profile's decoder would get
 """
 
@@ -17,15 +19,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medvqa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    ask = commands.add_parser("ask", help="answer a question about an image (PNG, JPEG or DICOM)")
-    ask.add_argument("image")
+    ask = commands.add_parser("ask", help="answer a question about an image (PNG, JPEG or DICOM), or about one "
+                                          "slice of the first series in a folder or .zip of DICOM files")
+    ask.add_argument("image", help="a file, a folder or a .zip")
     ask.add_argument("question")
     ask.add_argument("--profile", choices=PROFILES, default=None)
     ask.add_argument("--no-retrieval", action="store_true", help="answer from the image alone")
     ask.add_argument("--window", default=None, help="window preset name, or CENTER,WIDTH (DICOM)")
+    ask.add_argument("--slice", type=int, default=None,
+                     help="slice K (1 to N, in display order) of the first series; default: the middle one")
 
-    scan = commands.add_parser("scan", help="show the safe metadata, window and frames of a file")
-    scan.add_argument("file")
+    scan = commands.add_parser("scan", help="show the safe metadata, window and frames of a file, or the "
+                                            "series of a folder or .zip")
+    scan.add_argument("file", nargs="?", help="a file, a folder or a .zip")
+    scan.add_argument("--pacs-url", default=None,
+                      help="instead of a file: a DICOMweb endpoint; the Study Instance UID or accession number is "
+                           "read from standard input (so that it stays out of the shell history and process list)")
+    scan.add_argument("--json", action="store_true",
+                      help='print {"series": [{"modality", "slices", "positions_mm", "warnings"}, ...], "notes"}')
 
     prompt = commands.add_parser("prompt", help="print the prompt text the decoder would get (the image as "
                                                 "<image>; no model is loaded for formats that need no tokenizer)")
@@ -37,13 +48,53 @@ def main(argv: list[str] | None = None) -> int:
                         help="put N stand-in passages where retrieved literature goes")
 
     args = parser.parse_args(argv)
+    if args.command == "scan" and args.pacs_url:
+        return _scan_pacs(args.pacs_url, as_json=args.json)
+    if args.command == "scan" and not args.file:
+        parser.error("scan needs a file, a folder or a .zip, or --pacs-url")
     if args.command == "scan":
-        from .imaging import cli_scan
+        from .imaging import cli_scan, cli_scan_study
 
+        if args.json or not _is_single_file(args.file):
+            return cli_scan_study(args.file, as_json=args.json)
         return cli_scan(args.file)
     if args.command == "prompt":
         return _print_prompt(args)
     return _ask(args)
+
+
+def _scan_pacs(url: str, as_json: bool) -> int:
+    """`medvqa scan --pacs-url URL`: every series of the study named on standard input, fetched and
+    opened as an upload would be; printed as `scan PATH` prints them."""
+    import json
+
+    from .pacs import Pacs, PacsError
+
+    try:
+        pacs = Pacs(url)
+        studies = [pacs.fetch(remote) for remote in pacs.find_series(sys.stdin.readline())]
+    except (PacsError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summaries = [dict(series.summary(), series=number) for number, study in enumerate(studies, start=1)
+                 for series in study.series]
+    if as_json:
+        print(json.dumps({"series": summaries, "notes": [note for study in studies for note in study.notes]}))
+    else:
+        for summary in summaries:
+            print(f"Series {summary['series']}: {summary['modality']}, {summary['slices']} slices"
+                  + "".join(f"\n  warning: {warning}" for warning in summary["warnings"]))
+    return 0
+
+
+def _is_single_file(path: str) -> bool:
+    """A regular file that is not a .zip (those open as a study)."""
+    import os
+
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return not f.read(4).startswith((b"PK\x03\x04", b"PK\x05\x06"))
 
 
 def _print_prompt(args) -> int:
@@ -87,13 +138,15 @@ class _StandIn:
 
 def _ask(args) -> int:
     from .config import load_settings
-    from .imaging import ScanError, load_scan, parse_window
+    from .imaging import ScanError, open_study, parse_window
     from .injection import check_answer
     from .pipeline import Done, Pipeline, Sources, Token
     from .safe_text import inert, safe_url
 
     try:
-        scan = load_scan(args.image, window=parse_window(args.window) if args.window else None)
+        series = open_study(args.image).series[0]
+        scan = series.render(window=parse_window(args.window) if args.window else None,
+                             frame=None if args.slice is None else args.slice - 1)
     except ScanError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

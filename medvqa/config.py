@@ -23,9 +23,10 @@ PROFILES = ("offline", "llava-med", "tiny", "tiny-llava-med")
 DEFAULT_PROFILE = "offline"
 # MEDVQA_* variables that are not setting overrides: read where they are used (the login by the app,
 # the API key by the openai engine, MEDVQA_NO_LLAMA by scripts/install.sh, MEDVQA_ARTIFACTS_DIR by the
-# browser tests), never as settings.
+# browser tests, the PACS credentials by medvqa/pacs.py), never as settings.
 NON_SETTING_VARIABLES = ("MEDVQA_PROFILE", "MEDVQA_CONFIG", "MEDVQA_CACHE", "MEDVQA_USERNAME", "MEDVQA_PASSWORD",
-                         "MEDVQA_API_KEY", "MEDVQA_NO_LLAMA", "MEDVQA_ARTIFACTS_DIR")
+                         "MEDVQA_API_KEY", "MEDVQA_NO_LLAMA", "MEDVQA_ARTIFACTS_DIR",
+                         "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN")
 
 
 @dataclass

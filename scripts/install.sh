@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install MedVQA's requirements into it.
 #   scripts/install.sh          the app
-#   scripts/install.sh --dev    the app and what the tests need (pytest, Playwright, Debian's chromium)
+#   scripts/install.sh --dev    the app and what the tests need (pytest, Playwright, Debian's chromium, and
+#                               Debian's orthanc with its DICOMweb plugin: the PACS the tests start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -13,10 +14,14 @@ fi
 python -m pip install --quiet --upgrade pip
 if [ "${1:-}" = "--dev" ]; then
   python -m pip install --quiet -r requirements-dev.txt
+  if [ "$(id -u)" = 0 ]; then APT=apt-get; else APT="sudo apt-get"; fi
   if ! command -v chromium >/dev/null 2>&1; then
     echo "Installing Debian's chromium for the browser tests"
-    if [ "$(id -u)" = 0 ]; then APT=apt-get; else APT="sudo apt-get"; fi
     $APT update -qq && DEBIAN_FRONTEND=noninteractive $APT install -y -qq chromium >/dev/null
+  fi
+  if [ ! -x /usr/sbin/Orthanc ] || [ ! -f /usr/share/orthanc/plugins/libOrthancDicomWeb.so ]; then
+    echo "Installing Debian's orthanc and orthanc-dicomweb for the PACS tests (the tests start their own)"
+    $APT update -qq && DEBIAN_FRONTEND=noninteractive $APT install -y -qq orthanc orthanc-dicomweb >/dev/null
   fi
 else
   python -m pip install --quiet -r requirements.txt

@@ -32,6 +32,17 @@ def load_script(name: str):
     return module
 
 
+def stop_process(process, timeout_s: float = 30) -> None:
+    """Ask a server the test started to end; kill it if it has not within `timeout_s`."""
+    import subprocess
+
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 @contextlib.contextmanager
 def prompt_gate(pipeline, gate: str):
     """Run with `retrieval.prompt_gate` set to `gate` on a shared pipeline, then put it back."""

@@ -4,6 +4,7 @@ computed independently of pydicom to check rendered grey levels against."""
 from __future__ import annotations
 
 import io
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -75,4 +76,52 @@ def ct_from_hu(hu: np.ndarray = HU, **attributes) -> bytes:
 def encode(image: Image.Image, fmt: str, **options) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+# Patient data planted in the synthetic series: no test may find any of it past the imaging package.
+PLANTED = {"PatientName": "Plantedsurname^Plantedgiven", "PatientID": "PLANTED-ID-7731",
+           "PatientBirthDate": "19410203", "AccessionNumber": "ACCPLANT5512",
+           "InstitutionName": "Planted Memorial Hospital", "ReferringPhysicianName": "Planteddoctor^Referrer",
+           "StudyDescription": "PLANTEDSTUDYDESC", "SeriesDescription": "PLANTEDSERIESDESC"}
+
+
+def slice_hu(index: int, size: int = 64) -> np.ndarray:
+    """Slice `index` of the synthetic CT: air around a disc of soft tissue whose value tells the slice
+    (index × 10 HU above 0), so a test can read back which slice it was shown."""
+    y, x = np.mgrid[:size, :size]
+    disc = (x - size / 2) ** 2 + (y - size / 2) ** 2 < (size / 3) ** 2
+    hu = np.where(disc, index * 10, -1000)
+    hu[0, 0] = 1000  # one bright pixel: the same automatic window on every slice
+    return hu
+
+
+def ct_series(count: int = 40, *, spacing: float = 2.5, first: float = -50.0, shuffle_seed: int | None = 0,
+              orientation=(1, 0, 0, 0, 1, 0), series_uid: str | None = None, placed: bool = True,
+              **attributes) -> list[bytes]:
+    """`count` single-frame CT slices of one series with PLANTED patient data, as file bytes, in a
+    shuffled order (`shuffle_seed` None: in position order). Slice i lies at `first` + i × `spacing` mm
+    along the normal and has InstanceNumber i + 1 (`placed` False: no position or orientation)."""
+    study_uid, series_uid = pydicom.uid.generate_uid(), series_uid or pydicom.uid.generate_uid()
+    normal = np.cross(orientation[:3], orientation[3:])
+    files = []
+    for i in range(count):
+        position = normal * (first + i * spacing)
+        where = {"ImageOrientationPatient": [float(v) for v in orientation],
+                 "ImagePositionPatient": [float(v) for v in position]} if placed else {}
+        ds = make_dicom(slice_hu(i) + 1024, RescaleSlope=1, RescaleIntercept=-1024, RescaleType="HU",
+                        StudyInstanceUID=study_uid, SeriesInstanceUID=series_uid, InstanceNumber=i + 1,
+                        BodyPartExamined="CHEST", **where, **{**PLANTED, **attributes})
+        files.append(dicom_bytes(ds))
+    if shuffle_seed is not None:
+        order = np.random.default_rng(shuffle_seed).permutation(count)
+        files = [files[i] for i in order]
+    return files
+
+
+def zip_bytes(files: dict[str, bytes], compression: int = zipfile.ZIP_DEFLATED) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
     return buffer.getvalue()

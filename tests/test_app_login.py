@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, load_script
+from .conftest import REPO, load_script, stop_process
 
 httpx = pytest.importorskip("httpx")
 gradio_client = pytest.importorskip("gradio_client")
@@ -66,11 +66,7 @@ def served(tiny_pipeline, tiny_cache, tmp_path_factory):
             pytest.fail("app.py did not start within 600 s")
         yield url, upload_dir
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
 
 
 def all_routes() -> list[tuple[str, str]]:

@@ -27,10 +27,13 @@ Modules, each importing only those listed before it:
     dicom       opening a DICOM upload: refusals, pixel header, limits, the copied pixel dataset
     picture     PNG, JPEG and TIFF through Pillow
     upload      open_scan, load_scan, cli_scan: an upload read, its format sniffed, its opener run
+    archive     several files at once (a folder, a .zip, a list) read into memory under caps
+    series      open_study: files grouped into series, slices ordered along the slice normal
 """
 
 from .guard import ScanError
 from .scan import Scan, ScanLimits, ScanSource, parse_window
+from .series import Series, Study, cli_scan_study, open_study
 from .upload import cli_scan, load_scan, open_scan
 from .windowing import WINDOW_PRESETS, Window
 
@@ -40,9 +43,13 @@ __all__ = [
     "ScanError",
     "ScanLimits",
     "ScanSource",
+    "Series",
+    "Study",
     "Window",
     "cli_scan",
+    "cli_scan_study",
     "load_scan",
     "open_scan",
+    "open_study",
     "parse_window",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 from pydicom import dcmread
@@ -50,6 +51,11 @@ _UNSUPPORTED_PHOTOMETRIC = ("YBR_PARTIAL_420", "YBR_PARTIAL_422", "ARGB", "CMYK"
 
 
 def _open_dicom(raw: bytes, limits: ScanLimits) -> ScanSource:
+    return _open_dicom_placed(raw, limits)[0]
+
+
+def _open_dicom_placed(raw: bytes, limits: ScanLimits) -> tuple[ScanSource, _Placement]:
+    """The scan, and where it lies in its series (used by series.py to group and order slices)."""
     _refuse_deflate_bomb(raw, limits)
     # No `force`: a file without the DICOM preamble and file meta is refused, not guessed at.
     ds = _guarded(_DAMAGED_DICOM, dcmread, io.BytesIO(raw))
@@ -65,9 +71,41 @@ def _open_dicom(raw: bytes, limits: ScanLimits) -> ScanSource:
         per_frame=_guarded(_DAMAGED_DICOM, _functional_group_values, ds, header.frames),
     )
     safe_meta = _dicom_safe_meta(ds, header)
+    placement = _placement(ds)
     del ds  # the parsed upload, identifying tags and all, is dropped here
-    return ScanSource(source_format="dicom", frame_count=header.frames, safe_meta=safe_meta,
-                      load_frame=frames.load)
+    source = ScanSource(source_format="dicom", frame_count=header.frames, safe_meta=safe_meta,
+                        load_frame=frames.load, forget=frames.forget)
+    return source, placement
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a slice lies: what grouping and ordering a series needs, and nothing else. The series
+    key is a UID: it is compared inside this package (series.py) and never leaves it."""
+
+    series_key: str  # SeriesInstanceUID, "" when absent
+    orientation: tuple[float, ...] | None  # ImageOrientationPatient: row and column direction cosines
+    position: tuple[float, ...] | None  # ImagePositionPatient (mm): the first pixel's centre
+    instance_number: int | None
+
+
+def _placement(ds: Dataset) -> _Placement:
+    instance = _value_or_none(ds, "InstanceNumber")
+    return _Placement(
+        series_key=str(_value_or_none(ds, "SeriesInstanceUID") or ""),
+        orientation=_numbers(_value_or_none(ds, "ImageOrientationPatient"), 6),
+        position=_numbers(_value_or_none(ds, "ImagePositionPatient"), 3),
+        instance_number=int(instance) if isinstance(instance, int) and not isinstance(instance, bool) else None,
+    )
+
+
+def _numbers(value: Any, count: int) -> tuple[float, ...] | None:
+    """`count` finite numbers, or None for anything else (absent, short, malformed)."""
+    try:
+        numbers = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+    return numbers if len(numbers) == count and all(math.isfinite(n) for n in numbers) else None
 
 
 def _refuse_deflate_bomb(raw: bytes, limits: ScanLimits) -> None:
@@ -94,13 +132,22 @@ def _read_file_meta(fp: io.BytesIO) -> FileMetaDataset:
     return _read_file_meta_info(fp)
 
 
+class _NoImage(ScanError):
+    """A DICOM object that holds no image (a report, a presentation state, ...): an error for a
+    single upload, a note in a series (series.py). `what` names the kind, never the file."""
+
+    def __init__(self, what: str, message: str):
+        super().__init__(message)
+        self.what = what
+
+
 def _refuse_non_image(ds: Dataset) -> None:
     if any(keyword in ds for keyword in _PIXEL_DATA_KEYWORDS):
         return
     sop = str(_value_or_none(ds, "SOPClassUID") or _value_or_none(ds.file_meta, "MediaStorageSOPClassUID") or "")
     if sop == "1.2.840.10008.1.3.10" or "DirectoryRecordSequence" in ds:
-        raise ScanError("This file is a DICOMDIR (the index of a DICOM disc) and holds no image. "
-                        "Please upload one of the image files it lists.")
+        raise _NoImage("a DICOMDIR", "This file is a DICOMDIR (the index of a DICOM disc) and holds no image. "
+                                     "Please upload one of the image files it lists.")
     if sop == "1.2.840.10008.5.1.4.1.1.88.59":
         what = "a Key Object Selection document"
     elif sop.startswith("1.2.840.10008.5.1.4.1.1.88."):
@@ -116,8 +163,8 @@ def _refuse_non_image(ds: Dataset) -> None:
     elif _is_known_uid(sop):
         what = f"a '{UID(sop).name}' object"
     else:
-        raise ScanError("This DICOM file holds no image (it has no pixel data).")
-    raise ScanError(f"This DICOM file is {what} and holds no image.")
+        raise _NoImage("an object without pixel data", "This DICOM file holds no image (it has no pixel data).")
+    raise _NoImage(what, f"This DICOM file is {what} and holds no image.")
 
 
 def _read_pixel_header(ds: Dataset) -> _PixelHeader:

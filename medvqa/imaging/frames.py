@@ -65,6 +65,9 @@ class _DicomFrames:
         self._cached = (index, decoded)
         return decoded
 
+    def forget(self) -> None:
+        self._cached = None
+
     def _decode(self, index: int) -> _Frame:
         ds = self._frame_dataset(index)
         header = self.header

@@ -36,7 +36,9 @@ _DECODING = contextvars.ContextVar("medvqa_imaging_decoding", default=False)
 # it out of order would leave one's filters behind for good. Uploads are therefore handled one
 # at a time per process; a frame decodes in milliseconds, so users hardly wait on each other.
 _ONE_AT_A_TIME = threading.RLock()
-_LIBRARY_LOGGERS = ("pydicom", "PIL", "pylibjpeg", "libjpeg", "openjpeg", "rle", "gdcm")
+# And the DICOMweb client's: its request logs hold the URL, and so a study's identifier (medvqa/pacs.py).
+_LIBRARY_LOGGERS = ("pydicom", "PIL", "pylibjpeg", "libjpeg", "openjpeg", "rle", "gdcm", "dicomweb_client",
+                    "urllib3", "requests")
 
 
 class _SilenceWhileDecoding(logging.Filter):

@@ -38,6 +38,10 @@ class ScanLimits:
     max_frame_pixels: int = 6000 * 6000  # Rows × Columns of one frame: bounds the float64 working copies
     max_decoded_bytes: int = 1024**3  # Rows × Columns × frames × samples × bytes per sample
     max_frames: int = 10_000  # frames (or TIFF pages) in one file
+    # Several files at once (a folder, a .zip, a multi-file upload), checked before any is read (archive.py):
+    max_files: int = 4096  # files in one upload (a thin-slice whole-body CT has about 2,000)
+    max_total_bytes: int = 2 * 1024**3  # their sizes added up, once extracted
+    max_zip_ratio: float = 100.0  # extracted size over compressed size, per entry and in all (zip bombs)
 
 
 @dataclass
@@ -48,6 +52,8 @@ class Scan:
     frame_count: int
     safe_meta: dict[str, str]  # allowlisted, e.g. {"Modality": "CT", "Rows": "512", ...}
     source_format: str  # "dicom" | "png" | "jpeg" | "tiff"
+    series: int | None = None  # a slice of a series (series.py): the series' number in its upload, from 1
+    position_mm: float | None = None  # and the slice's position along the slice normal, where the files give it
 
     def describe_window(self) -> str:
         if self.window is None:
@@ -64,15 +70,21 @@ class ScanSource:
     needed (new window, other frame) without reading the file again."""
 
     def __init__(self, *, source_format: str, frame_count: int, safe_meta: dict[str, str],
-                 load_frame: Callable[[int], _Frame]):
+                 load_frame: Callable[[int], _Frame], forget: Callable[[], None] | None = None):
         self.source_format = source_format
         self.is_dicom = source_format == "dicom"
         self.frame_count = frame_count
         self.default_frame = frame_count // 2  # the middle slice of a stack, as viewers open it
         self.safe_meta = safe_meta
         self._load_frame = load_frame
+        self._forget = forget
         # Decode the default frame now, so that a damaged upload is refused when it is opened.
         self.default_window = _default_window(self._load_frame(self.default_frame))
+
+    def forget_decoded(self) -> None:
+        """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""
+        if self._forget is not None:
+            self._forget()
 
     def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
         """`window`: a Window, a WINDOW_PRESETS key, "file" (the file's own), "auto" (0.5-99.5

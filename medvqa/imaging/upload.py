@@ -78,14 +78,14 @@ def _open_scan(data: bytes | str | os.PathLike, limits: ScanLimits) -> ScanSourc
     return _open_picture(raw, kind, limits)
 
 
-def _read_upload(data: bytes | str | os.PathLike, limits: ScanLimits) -> bytes:
+def _read_upload(data: bytes | str | os.PathLike, limits: ScanLimits, allow_empty: bool = False) -> bytes:
     if isinstance(data, (bytes, bytearray, memoryview)):
         raw = bytes(data)
     elif isinstance(data, (str, os.PathLike)):
         raw = _guarded("The file could not be opened.", _read_path, data, limits.max_bytes)
     else:
         raise ScanError("The upload is not a file.")
-    if not raw:
+    if not raw and not allow_empty:  # (in a folder or an archive, an empty file is only skipped)
         raise ScanError("The file is empty.")
     if len(raw) > limits.max_bytes:
         raise ScanError(f"The file is larger than the {limits.max_bytes / 2**20:.0f} MB upload limit.")

@@ -11,8 +11,9 @@ links, so nothing of a session is written to disk by the app.
 Model text is escaped before it is shown (it can neither inject markup nor create links); the only
 links in an answer are built from `Passage.url` of the passages the answer was given.
 
-API endpoints (gradio_client): /upload, /set_preset, /set_window, /set_frame, /ask, /stop,
-/new_conversation, /export.
+API endpoints (gradio_client): /upload (a file or a .zip), /upload_files (several files), /set_series,
+/set_preset, /set_window, /set_frame (a frame, or a slice of a series), /ask, /stop, /new_conversation,
+/export; with a PACS (`build_app(..., pacs=Pacs(url))`), /pacs_find and /pacs_load.
 
 The modules, one job each:
     layout      the gr.Blocks page, its event wiring, `build_app`, `launch`, `auth_from_env`, `is_loopback`
@@ -20,7 +21,8 @@ The modules, one job each:
     handlers    what each event does to a session (upload, window/preset/frame, warm, ask, stop, ...)
     session     one tab's state (`_Session`), the answer being streamed (`_Answer`)
     render      the chat's HTML: answers, citations, sources, status and error lines
-    viewer      the scan viewer: its inline PNG, the window controls' choices and ranges
+    viewer      the scan viewer: its inline PNG, the window controls' choices and ranges, the series picker
+    remote      the PACS panel: find a study's series over DICOMweb, load one with progress
     transcript  the conversation download: record, Markdown, JSON, download links
     uploads     reading an upload once and deleting it; the upload folder's sweeper
 """

@@ -16,14 +16,16 @@ from typing import Iterator
 import gradio as gr
 
 from ..config import Settings
-from ..imaging import ScanError, ScanLimits, Window, open_scan
+from ..imaging import ScanError, ScanLimits, Window, open_scan, open_study
+from ..imaging.archive import is_zip
 from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
 from .render import _error_html, _error_message, _escape_model_text, _render_answer, _status
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
-from .uploads import _take_upload
-from .viewer import _PRESET_LABELS, _preset_value, _scan_meta, _slider_ranges, _viewer_html
+from .uploads import _take_uploads
+from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _slider_ranges, _study_notes,
+                     _viewer_html)
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +40,64 @@ class _Handlers:
 
     # --- scan ------------------------------------------------------------------------------
 
-    def upload(self, payload: dict | None, session: _Session | None):
-        """Read the upload into memory, delete it, decode it; a new scan starts a new conversation."""
+    def upload(self, payload: dict | list[dict] | None, session: _Session | None):
+        """Read the upload (one file, or several: a .zip, a folder's files) into memory, delete it,
+        decode it; a new scan starts a new conversation. Several files open as a study: its largest
+        series is shown first."""
         try:
-            data = _take_upload(payload, self.limits.max_bytes)
-            source = open_scan(data, self.limits)
+            data = _take_uploads(payload, self.limits.max_bytes)
+            if len(data) == 1 and not is_zip(data[0]):
+                source, study = open_scan(data[0], self.limits), None
+            else:
+                study = open_study(data, self.limits)
+                source = study.series[0]
             scan = source.render()
         except ScanError as error:
-            return (None, *self._viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
+            return (None, *self.viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
         except Exception:  # noqa: BLE001 - the app must keep serving whatever the upload does
             log.exception("upload failed")
-            return (None, *self._viewer_unchanged(session, _error_message("The scan could not be opened.")))
+            return (None, *self.viewer_unchanged(session, _error_message("The scan could not be opened.")))
+        return (None, *self.show(source, scan, study, session))
+
+    def show(self, source, scan, study, session: _Session | None):
+        """A newly opened scan or study replaces the tab's session: a new conversation about it."""
         if session is not None:
             with session.lock:
                 session.generation += 1
             session.close()
-        session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan))
-        return (None, *self._viewer_update(session, controls=True))
+        session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study)
+        return self._viewer_update(session, controls=True)
+
+    def study_controls(self, session: _Session | None):
+        """The series picker and the notes on the series shown (after an upload or a change of series)."""
+        study = session.study if session is not None else None
+        number = session.scan.series or 1 if session is not None else 1
+        return (gr.Dropdown(choices=_series_choices(study), value=number if study else None, visible=study is not None),
+                _study_notes(study, number))
+
+    def set_series(self, number: float, session: _Session | None):
+        """Show another series of the study, at its middle slice, in the window chosen so far (a
+        preset or the user's; else the series' own)."""
+        if session is None or session.study is None:
+            return self.viewer_unchanged(session, _error_message("Please upload a series first."))
+        try:
+            number = int(number)
+        except (TypeError, ValueError):
+            number = 0
+        if not 1 <= number <= len(session.study.series):
+            return self.viewer_unchanged(session, _error_message("There is no such series in this upload."))
+        series = session.study.series[number - 1]
+        window = session.scan.window
+        if window is not None and window.name in ("file", "file-lut", "auto-percentile", "none"):
+            window = None
+        with session.lock:
+            session.source = series
+        return self._render(session, window, None)
 
     def set_preset(self, preset: str, frame: float, session: _Session | None):
         """A window preset from the dropdown; "custom" only means the sliders are in charge."""
         if preset == "custom":
-            return self._viewer_unchanged(session)
+            return self.viewer_unchanged(session)
         return self._render(session, preset, frame)
 
     def set_window(self, center: float, width: float, frame: float, session: _Session | None):
@@ -67,33 +105,35 @@ class _Handlers:
         try:
             window = Window(float(center), float(width), "user")
         except (TypeError, ValueError):
-            return self._viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
+            return self.viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
         return self._render(session, window, frame)
 
     def set_frame(self, frame: float, session: _Session | None):
-        """Another frame of a multi-frame scan, in the window chosen so far."""
+        """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far."""
         window = session.scan.window if session else None
         if window is not None and window.name in ("file", "file-lut"):
             window = None  # each frame with its own window from the file, as a viewer scrolls a stack
-        return self._render(session, window, frame)
+        return self._render(session, window, frame, slider_moved=True)
 
-    def _render(self, session: _Session | None, window, frame):
+    def _render(self, session: _Session | None, window, frame, slider_moved: bool = False):
         """Render the session's scan anew; the model sees exactly what is shown from then on."""
         if session is None:
-            return self._viewer_unchanged(None, _error_message("Please upload a scan first."))
+            return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
         try:
             index = session.source.default_frame if frame is None else int(round(float(frame))) - 1
             scan = session.source.render(window=window, frame=index)
         except ScanError as error:
-            return self._viewer_unchanged(session, _error_message(str(error)))
+            return self.viewer_unchanged(session, _error_message(str(error)))
         except Exception:  # noqa: BLE001
             log.exception("render failed")
-            return self._viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
+            return self.viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
         with session.lock:
             session.look_at(scan)
-        return self._viewer_update(session, controls=True)
+        return self._viewer_update(session, controls=True, slider_moved=slider_moved)
 
-    def _viewer_update(self, session: _Session, controls: bool):
+    def _viewer_update(self, session: _Session, controls: bool, slider_moved: bool = False):
+        """The viewer and its controls for the session's scan. After a move of the slider its value is
+        left as the user set it: sent back, it would undo key presses made while the slice rendered."""
         scan, source = session.scan, session.source
         windowed = source.is_dicom and scan.window is not None
         outputs = [_viewer_html(scan)]
@@ -105,14 +145,16 @@ class _Handlers:
                 gr.Slider(minimum=center_range[0], maximum=center_range[1], value=round(window.center, 3),
                           visible=windowed),
                 gr.Slider(minimum=1, maximum=width_max, value=round(window.width, 3), visible=windowed),
+                gr.skip() if slider_moved else
                 gr.Slider(minimum=1, maximum=max(source.frame_count, 2), value=scan.frame_index + 1,
-                          visible=source.frame_count > 1, label=f"Frame (of {source.frame_count})"),
+                          visible=source.frame_count > 1,
+                          label=f"{'Frame' if scan.series is None else 'Slice'} (of {source.frame_count})"),
             ]
         outputs += [_scan_meta(scan), _copy(session.messages), session]
         return tuple(outputs)
 
     @staticmethod
-    def _viewer_unchanged(session: _Session | None, message: dict | None = None):
+    def viewer_unchanged(session: _Session | None, message: dict | None = None):
         """Leave the viewer and its controls as they are; `message` (an error) goes to the chat."""
         if message is not None and session is not None:
             with session.lock:

@@ -19,7 +19,9 @@ from starlette.middleware import Middleware
 from ..config import Settings
 from ..pipeline import Pipeline
 from .access import AccessGuard
+from ..pacs import Pacs
 from .handlers import _Handlers
+from .remote import _PacsHandlers
 from .session import _close_session, _forget_closed_tabs
 from .uploads import UPLOAD_MAX_AGE_S, UploadFolder
 from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
@@ -41,8 +43,9 @@ _CSS = """
 
 
 def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_mb: float = 100,
-              concurrency: int = DEFAULT_CONCURRENCY) -> gr.Blocks:
-    """The Blocks app around a loaded pipeline. Launch it with `launch()`."""
+              concurrency: int = DEFAULT_CONCURRENCY, pacs: Pacs | None = None) -> gr.Blocks:
+    """The Blocks app around a loaded pipeline (and, with `pacs`, a panel that opens studies from that
+    DICOMweb archive). Launch it with `launch()`."""
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
@@ -52,16 +55,30 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         session = gr.State(None, delete_callback=_close_session)
         with gr.Row():
             with gr.Column(scale=5):
-                upload = gr.File(label=f"Scan: DICOM, PNG or JPEG (up to {max_upload_mb:g} MB)",
+                upload = gr.File(label=f"Scan: DICOM, PNG or JPEG, or a .zip of a series' DICOM files (up to "
+                                       f"{max_upload_mb:g} MB)",
                                  file_count="single", type="filepath", height=140, elem_id="medvqa-upload")
+                with gr.Row():  # a series as it lies on disk: its files, or their folder
+                    files = gr.UploadButton("Open several files", file_count="multiple", size="sm",
+                                            elem_id="medvqa-files")
+                    folder = gr.UploadButton("Open a folder", file_count="directory", size="sm",
+                                             elem_id="medvqa-folder")
+                if pacs is not None:
+                    pacs_panel = _pacs_panel()
+                # Its choices come with each upload; the handler checks the number (an API client may call
+                # /set_series without the page's choices), hence allow_custom_value.
+                series_picker = gr.Dropdown([], label="Series", visible=False, allow_custom_value=True,
+                                            elem_id="medvqa-series")
                 viewer = gr.HTML(_EMPTY_VIEWER, elem_id="medvqa-viewer")
+                series_notes = gr.HTML("", elem_id="medvqa-series-notes")
+                # A slice of a series or a frame of a file; the arrow keys scroll it once it has focus.
+                frame = gr.Slider(1, 2, value=1, step=1, label="Frame", visible=False, elem_id="medvqa-frame")
                 preset = gr.Dropdown(_PRESET_LABELS, value="file", label="Window preset", visible=False,
                                      elem_id="medvqa-preset")
                 center = gr.Slider(-1100, 3000, value=40, step=1, label="Window centre", visible=False,
                                    elem_id="medvqa-center")
                 width = gr.Slider(1, 4000, value=400, step=1, label="Window width", visible=False,
                                   elem_id="medvqa-width")
-                frame = gr.Slider(1, 2, value=1, step=1, label="Frame", visible=False, elem_id="medvqa-frame")
                 with gr.Accordion("Scan metadata (non-identifying fields only)", open=False):
                     meta = gr.JSON(show_label=False, elem_id="medvqa-meta")
             with gr.Column(scale=7):
@@ -91,15 +108,35 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         # that arrive meanwhile collapse into the latest text.
         warming = dict(fn=handlers.warm, inputs=[session, question], outputs=None, api_visibility="private",
                        show_progress="hidden", concurrency_limit=1, concurrency_id="warm", queue=True)
+        study_controls = dict(fn=handlers.study_controls, inputs=[session], outputs=[series_picker, series_notes],
+                              api_visibility="private", show_progress="hidden", queue=False)
         upload.upload(handlers.upload, [upload, session], [upload, *viewer_outputs], preprocess=False,
-                      api_name="upload", concurrency_limit=2, concurrency_id="scan-decode").then(**warming)
+                      api_name="upload", concurrency_limit=2, concurrency_id="scan-decode"
+                      ).then(**study_controls).then(**warming)
+        files.upload(handlers.upload, [files, session], [upload, *viewer_outputs], preprocess=False,
+                     api_name="upload_files", concurrency_limit=2, concurrency_id="scan-decode"
+                     ).then(**study_controls).then(**warming)
+        folder.upload(handlers.upload, [folder, session], [upload, *viewer_outputs], preprocess=False,
+                      api_visibility="private", concurrency_limit=2, concurrency_id="scan-decode"
+                      ).then(**study_controls).then(**warming)
+        if pacs is not None:
+            remote = _PacsHandlers(pacs, handlers)
+            identifier, find, remote_series, load, status, found = pacs_panel
+            gr.on([find.click, identifier.submit], remote.find, [identifier, found],
+                  [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=2,
+                  concurrency_id="pacs")
+            load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
+                       concurrency_limit=2, concurrency_id="pacs").then(**study_controls).then(**warming)
+        series_picker.input(handlers.set_series, [series_picker, session], viewer_outputs, api_name="set_series",
+                            concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
         preset.input(handlers.set_preset, [preset, frame, session], viewer_outputs, api_name="set_preset",
                      concurrency_limit=4, concurrency_id="scan-render").then(**warming)
         gr.on([center.release, width.release], handlers.set_window, [center, width, frame, session],
               viewer_outputs, api_name="set_window", concurrency_limit=4, concurrency_id="scan-render",
               trigger_mode="always_last").then(**warming)
-        frame.release(handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
-                      concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
+        # input: the arrow keys scroll the slider (they send no release); always_last collapses a drag.
+        gr.on([frame.release, frame.input], handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
+              concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
         question.input(**warming, trigger_mode="always_last")
         answering = gr.on([ask_button.click, question.submit], handlers.ask, [question, session],
                           [chatbot, question], api_name="ask", concurrency_limit=concurrency,
@@ -115,6 +152,20 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                                 api_name="export")
     demo.queue(default_concurrency_limit=4, max_size=16 * max(concurrency, 1))
     return demo
+
+
+def _pacs_panel() -> tuple:
+    """The PACS panel's components: identifier box, Find, the series found, Load, a status line, and the
+    tab's list of series found (a gr.State). The box is a password field: what is typed is not shown."""
+    with gr.Accordion("Open a study from the PACS", open=True):
+        identifier = gr.Textbox(label="Study Instance UID or accession number", type="password",
+                                elem_id="medvqa-pacs-id")
+        find = gr.Button("Find series", size="sm", elem_id="medvqa-pacs-find")
+        remote_series = gr.Dropdown([], label="Series in the PACS", visible=False, allow_custom_value=True,
+                                    elem_id="medvqa-pacs-series")
+        load = gr.Button("Load the series", size="sm", elem_id="medvqa-pacs-load")
+        status = gr.HTML("", elem_id="medvqa-pacs-status")
+    return identifier, find, remote_series, load, status, gr.State(None)
 
 
 def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, max_upload_mb: float = 100,

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import gradio as gr
 
-from ..imaging import Scan, ScanSource
+from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
 from ..pipeline import Conversation, Pipeline
 from .transcript import _citation
@@ -29,9 +29,10 @@ class _Session:
     """One browser tab: never shared, dropped by Gradio when the tab goes away."""
 
     pipeline: Pipeline
-    source: ScanSource
+    source: ScanSource | Series  # what the viewer scrolls: one file's frames, or one series' slices
     scan: Scan
     conversation: Conversation
+    study: Study | None = None  # several files (a .zip, a folder, a multi-file upload): their series
     messages: list[dict] = field(default_factory=list)  # what the chat shows
     turns: list[dict] = field(default_factory=list)  # answered (or stopped) turns, for the transcript
     generation: int = 0  # bumped by Stop / New conversation / a new scan: a running answer then ends
@@ -84,6 +85,14 @@ def _forget_closed_tabs(demo: Any) -> Callable[[gr.Request], Awaitable[None]]:
     return forget
 
 
+def _place(scan: Scan) -> dict:
+    """Which image a question was asked on: the frame of a file, or the series, slice and position."""
+    if scan.series is None:
+        return {"frame": scan.frame_index + 1}
+    return {"series": scan.series, "slice": scan.frame_index + 1, "slices": scan.frame_count,
+            "position_mm": scan.position_mm}
+
+
 @dataclass
 class _Answer:
     """The answer being streamed: what the chat shows of it so far, and what the transcript keeps."""
@@ -107,7 +116,7 @@ class _Answer:
     def record(self, stopped: bool = False) -> dict:
         """This turn as the transcript keeps it (`stopped`: the user pressed Stop before the end)."""
         return {"question": self.question, "answer": self.text.strip(), "stopped": stopped,
-                "window": self.window or self.scan.describe_window(), "frame": self.scan.frame_index + 1,
+                "window": self.window or self.scan.describe_window(), **_place(self.scan),
                 "citations": [dict(_citation(n, p), support=mark[0] if mark else "related")
                               for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),

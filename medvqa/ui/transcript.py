@@ -42,7 +42,9 @@ def _transcript_record(session: _Session, settings: Settings) -> dict:
         "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "profile": settings.profile,
         "scan": {"format": source.source_format, "frames": source.frame_count,
-                 "modality": source.safe_meta.get("Modality", "")},
+                 "modality": source.safe_meta.get("Modality", ""),
+                 **({"series": [{"series": s.number, "modality": s.modality, "slices": s.frame_count}
+                                for s in session.study.series]} if session.study else {})},
         "turns": [dict(turn) for turn in session.turns],
     }
 
@@ -58,11 +60,12 @@ def export_markdown(record: dict) -> str:
              "No patient data.", "",
              f"Scan: {record['scan']['format'].upper()}"
              + (f", {record['scan']['modality']}" if record['scan']['modality'] else "")
-             + f", {record['scan']['frames']} frame(s).", ""]
+             + (f", {len(record['scan']['series'])} series" if record['scan'].get('series') else
+                f", {record['scan']['frames']} frame(s)") + ".", ""]
     for number, turn in enumerate(record["turns"], start=1):
         # Question and answer are escaped like in the chat: a link the model wrote stays text.
         lines += [f"## {number}. {_escape_model_text(turn['question'])}", "",
-                  f"- Window: {turn['window']}; frame {turn['frame']}", "",
+                  f"- Window: {turn['window']}; {_markdown_place(turn)}", "",
                   _escape_model_text(turn["answer"]) or "_(no answer)_", ""]
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
@@ -82,6 +85,13 @@ def export_markdown(record: dict) -> str:
         elif not turn["stopped"]:
             lines += [f"No literature support. {turn.get('note', '')}".strip(), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _markdown_place(turn: dict) -> str:
+    if "series" not in turn:
+        return f"frame {turn['frame']}"
+    position = f" ({turn['position_mm']:g} mm)" if turn.get("position_mm") is not None else ""
+    return f"series {turn['series']}, slice {turn['slice']} of {turn['slices']}{position}"
 
 
 def _markdown_citation(citation: dict) -> str:

@@ -71,6 +71,23 @@ def _take_upload(payload: Any, max_bytes: int) -> bytes:
     return data
 
 
+def _take_uploads(payload: Any, max_bytes: int) -> list[bytes]:
+    """The bytes of one upload or several (a list of payloads), each read once and deleted; every
+    file is deleted even when an earlier one is refused, and the first refusal is raised after."""
+    payloads = payload if isinstance(payload, (list, tuple)) else [payload]
+    if not payloads:
+        raise ScanError("No file was uploaded.")
+    taken, refusal = [], None
+    for one in payloads:
+        try:
+            taken.append(_take_upload(one, max_bytes))
+        except ScanError as error:
+            refusal = refusal or error
+    if refusal is not None:
+        raise refusal
+    return taken
+
+
 def _remember(path: str, data: bytes) -> None:
     """Keep an upload's bytes for RECENTLY_READ_S, within RECENTLY_READ_MAX_BYTES in all."""
     now = time.monotonic()

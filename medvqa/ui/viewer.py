@@ -12,7 +12,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from ..imaging import WINDOW_PRESETS, Scan, Window
+from ..imaging import WINDOW_PRESETS, Scan, Study, Window
 
 DISPLAY_MAX_SIDE = 1024  # the viewer shows at most this many pixels a side (the model gets all of them)
 
@@ -33,9 +33,31 @@ def _viewer_html(scan: Scan) -> str:
     image.save(buffer, format="PNG", compress_level=3)
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     caption = (f"{scan.source_format.upper()} · {pixels.shape[1]}×{pixels.shape[0]} px · "
-               f"frame {scan.frame_index + 1} of {scan.frame_count} · {scan.describe_window()}")
+               f"{_place_caption(scan)} · {scan.describe_window()}")
     return (f'<div class="medvqa-viewer"><img id="medvqa-scan" alt="The scan as the model sees it" '
             f'src="data:image/png;base64,{encoded}"/><div class="medvqa-caption">{html.escape(caption)}</div></div>')
+
+
+def _place_caption(scan: Scan) -> str:
+    """"frame 2 of 5", or "series 1 · slice 12 of 40 · 27.5 mm" for a slice of a series."""
+    if scan.series is None:
+        return f"frame {scan.frame_index + 1} of {scan.frame_count}"
+    position = f" · {scan.position_mm:g} mm" if scan.position_mm is not None else ""
+    return f"series {scan.series} · slice {scan.frame_index + 1} of {scan.frame_count}{position}"
+
+
+def _series_choices(study: Study | None) -> list[tuple[str, int]]:
+    """The series picker's entries, from allow-listed fields only (modality, slice count)."""
+    return [(series.describe(), series.number) for series in study.series] if study else []
+
+
+def _study_notes(study: Study | None, number: int) -> str:
+    """What is odd about the series shown, and which files were skipped, as escaped HTML."""
+    if study is None:
+        return ""
+    series = study.series[number - 1]
+    lines = [f"⚠ {warning}" for warning in series.warnings] + study.notes
+    return "".join(f'<p class="medvqa-caption">{html.escape(line)}</p>' for line in lines)
 
 
 def _scan_meta(scan: Scan) -> dict:

@@ -1,0 +1,250 @@
+"""A study, not a file: uploaded files grouped into series, slices in the order a viewer shows them.
+
+    open_study(files | folder | .zip) ─▶ Study(series: [Series], notes)
+                                              │ Series.render(window, slice)  (the ScanSource interface)
+                                              ▼
+                                             Scan(pixels, window, frame_index = slice, series, position_mm)
+
+Single-frame DICOM files are grouped by series (their SeriesInstanceUID, compared here and never
+kept) and ordered by position along the slice normal: ImagePositionPatient · (row × column
+direction of ImageOrientationPatient). Without positions, or when the slices lie in different
+planes, they fall back to InstanceNumber, and the series says so; gaps and duplicate positions are
+said too. A multi-frame file is a series of its own, its frames the slices. Objects without an
+image (reports, presentation states), damaged and non-DICOM files are skipped with a note. Each
+file goes through the same opener, and so the same allow-list, as a single upload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .archive import _read_files
+from .dicom import _NoImage, _open_dicom_placed, _Placement
+from .guard import ScanError, _run_public
+from .picture import _open_picture
+from .scan import Scan, ScanLimits, ScanSource, _check_frame
+from .upload import _sniff_format
+from .windowing import Window
+
+_SAME_MM = 0.01  # positions closer than this are the same position
+_SAME_DIRECTION = 1e-3  # direction cosines closer than this are the same orientation
+_GAP_FACTOR = 1.5  # a spacing this much wider than the usual one is a gap
+
+
+@dataclass
+class _Slice:
+    source: ScanSource
+    frame: int
+    placement: _Placement | None
+    order: int  # the file's place in the upload, the last tie-breaker
+
+
+class Series:
+    """The slices of one series in display order. Offers ScanSource's interface (render, frame_count,
+    default_frame, default_window, safe_meta), a frame being a slice."""
+
+    def __init__(self, number: int, slices: list[_Slice], positions_mm: list[float | None], warnings: list[str]):
+        self.number = number  # 1, 2, ... in the order the study lists them: never a UID
+        self._slices = slices
+        self.positions_mm = positions_mm
+        self.warnings = warnings
+        middle = slices[len(slices) // 2].source
+        self.source_format = middle.source_format
+        self.is_dicom = middle.is_dicom
+        self.safe_meta = dict(middle.safe_meta)
+        self.modality = self.safe_meta.get("Modality", "")
+        self.frame_count = len(slices)
+        self.default_frame = len(slices) // 2
+        self.default_window = middle.default_window  # one window for the whole series while scrolling
+        self._shown: ScanSource | None = None
+
+    def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
+        """Slice `frame` (0-based, display order; None for the middle one) through `window`, as
+        ScanSource.render takes it. With no window asked, a slice's own window from its file is used,
+        else the series' automatic one, so that scrolling does not change the brightness."""
+        index = self.default_frame if frame is None else _run_public(self._check_slice, frame)
+        chosen = self._slices[index]
+        if window is None and self.default_window is not None and self.default_window.name == "auto-percentile":
+            window = self.default_window
+        scan = chosen.source.render(window=window, frame=chosen.frame)
+        if self._shown is not None and self._shown is not chosen.source:
+            self._shown.forget_decoded()  # only the slice on screen stays decoded
+        self._shown = chosen.source
+        return dataclasses.replace(scan, frame_index=index, frame_count=self.frame_count, series=self.number,
+                                   position_mm=self.positions_mm[index], safe_meta=dict(self.safe_meta))
+
+    def _check_slice(self, frame: int) -> int:
+        try:
+            return _check_frame(frame, self.frame_count)
+        except ScanError:
+            count = self.frame_count
+            shown = f" {frame + 1}" if isinstance(frame, int) else ""
+            raise ScanError(f"Slice{shown} was requested, but this series has {count} slice{'s' if count > 1 else ''} "
+                            f"(1 to {count}).") from None
+
+    def summary(self) -> dict:
+        """What `medvqa scan --json` prints for the series."""
+        return {"modality": self.modality, "slices": self.frame_count, "positions_mm": self.positions_mm,
+                "warnings": list(self.warnings)}
+
+    def describe(self) -> str:
+        """A label for a series picker, from allow-listed fields only."""
+        return f"Series {self.number}: {self.modality or self.source_format.upper()}, {self.frame_count} " \
+               f"slice{'s' if self.frame_count != 1 else ''}"
+
+    def __repr__(self) -> str:
+        return f"Series({self.number}, {self.modality}, slices={self.frame_count}, warnings={self.warnings})"
+
+
+@dataclass
+class Study:
+    series: list[Series]  # the largest first
+    notes: list[str]  # files skipped, and why, in words: never a file name
+
+
+def open_study(data: bytes | str | os.PathLike | Sequence[bytes | str | os.PathLike],
+               limits: ScanLimits | None = None) -> Study:
+    """Open one upload or several: a file, a folder, a .zip, or a list of any of these. Raises
+    ScanError (with a message for the clinician) when nothing in it can be shown."""
+    items = list(data) if isinstance(data, (list, tuple)) else [data]
+    return _run_public(_open_study, items, limits or ScanLimits())
+
+
+def _open_study(items: list, limits: ScanLimits) -> Study:
+    files = _read_files(items, limits)
+    if not files:
+        raise ScanError("The upload holds no files.")
+    if len(files) == 1 and _sniff_format(files[0]) != "dicom":  # a picture (or a clear refusal of the file)
+        source = _open_picture(files[0], _sniff_format(files[0]), limits)
+        return Study([_series_of_frames(1, source)], [])
+    groups: dict[str, list[_Slice]] = {}
+    single: list[_Slice] = []  # multi-frame files: a series each
+    skipped: Counter[str] = Counter()
+    for order, raw in enumerate(files):
+        if len(files) == 1:  # one file: its own message, as a single upload gets
+            source, placement = _open_dicom_placed(raw, limits)
+        else:
+            try:
+                if raw[128:132] != b"DICM":
+                    skipped["not a DICOM file"] += 1
+                    continue
+                source, placement = _open_dicom_placed(raw, limits)
+            except _NoImage as error:
+                skipped[f"{error.what} (no image)"] += 1
+                continue
+            except ScanError:
+                skipped["a DICOM file that could not be read"] += 1
+                continue
+        source.forget_decoded()
+        if source.frame_count > 1:
+            single.append(_Slice(source, 0, placement, order))
+        else:
+            groups.setdefault(placement.series_key, []).append(_Slice(source, 0, placement, order))
+    notes = [f"Skipped {count} file{'s' if count > 1 else ''}: {what}." for what, count in sorted(skipped.items())]
+    if not groups and not single:
+        raise ScanError(f"None of the {len(files)} file{'s' if len(files) > 1 else ''} in this upload is a DICOM "
+                        f"image. {' '.join(notes)}")
+    ordered = [_ordered(members) for members in groups.values()]
+    ordered += [([_Slice(s.source, frame, None, s.order) for frame in range(s.source.frame_count)],
+                 [None] * s.source.frame_count, []) for s in single]
+    ordered.sort(key=lambda group: (-len(group[0]), min(s.order for s in group[0])))
+    return Study([Series(number, *group) for number, group in enumerate(ordered, start=1)], notes)
+
+
+def _series_of_frames(number: int, source: ScanSource) -> Series:
+    count = source.frame_count
+    return Series(number, [_Slice(source, frame, None, 0) for frame in range(count)], [None] * count, [])
+
+
+def _ordered(members: list[_Slice]) -> tuple[list[_Slice], list[float | None], list[str]]:
+    """The slices in display order, their positions along the normal (mm) and what is odd about them."""
+    by_instance = sorted(members, key=lambda s: (s.placement.instance_number is None,
+                                                 s.placement.instance_number or 0, s.order))
+    if len(members) == 1:
+        return members, [_position_along_normal(members[0].placement)], []
+    orientations = _distinct_orientations(members)
+    if len(orientations) > 1:
+        return by_instance, [None] * len(members), [
+            f"The slices of this series lie in {len(orientations)} different orientations, so they cannot be "
+            "ordered by position: they are shown in instance-number order, and it may not be a stack."]
+    positions = [_position_along_normal(s.placement) for s in members]
+    if None in positions:
+        return by_instance, [None] * len(members), [
+            "Some slices do not say where they lie (no position or orientation): they are shown in "
+            "instance-number order."]
+    order = sorted(range(len(members)), key=lambda i: (positions[i], by_instance.index(members[i])))
+    slices, positions = [members[i] for i in order], [round(positions[i], 2) for i in order]
+    return slices, positions, _spacing_warnings(positions)
+
+
+def _distinct_orientations(members: list[_Slice]) -> list[tuple[float, ...]]:
+    distinct: list[tuple[float, ...]] = []
+    for s in members:
+        orientation = s.placement.orientation
+        if orientation is not None and not any(
+                max(abs(a - b) for a, b in zip(orientation, seen)) < _SAME_DIRECTION for seen in distinct):
+            distinct.append(orientation)
+    return distinct
+
+
+def _position_along_normal(placement: _Placement | None) -> float | None:
+    if placement is None or placement.orientation is None or placement.position is None:
+        return None
+    row, column = np.array(placement.orientation[:3]), np.array(placement.orientation[3:])
+    normal = np.cross(row, column)
+    length = np.linalg.norm(normal)
+    if length < 0.5:  # the two directions are not (nearly) perpendicular unit vectors
+        return None
+    return float(np.dot(placement.position, normal / length))
+
+
+def _spacing_warnings(positions: list[float]) -> list[str]:
+    """Duplicate positions and gaps, in words (positions sorted, in mm)."""
+    warnings = []
+    steps = np.diff(positions)
+    repeated = steps < _SAME_MM
+    sharing = int(np.logical_or(np.r_[repeated, False], np.r_[False, repeated]).sum())  # slices at a repeated position
+    if sharing:
+        warnings.append(f"{sharing} slices share their position with another slice (a repeated or mixed "
+                        "acquisition?); they are shown one after the other.")
+    spacing = steps[steps >= _SAME_MM]
+    if spacing.size:
+        usual = float(np.median(spacing))
+        gaps = [i for i, step in enumerate(steps) if step > _GAP_FACTOR * usual]
+        if gaps:
+            where = ", ".join(f"after slice {i + 1} ({steps[i]:.1f} mm)" for i in gaps[:3])
+            more = f" and {len(gaps) - 3} more" if len(gaps) > 3 else ""
+            warnings.append(f"The series has {len(gaps)} gap{'s' if len(gaps) > 1 else ''} where slices are missing: "
+                            f"{where}{more}; slices are {usual:.1f} mm apart elsewhere.")
+    return warnings
+
+
+def cli_scan_study(path: str, as_json: bool) -> int:
+    """`python -m medvqa scan PATH [--json]` for a folder, a .zip or `--json`: each series with its
+    modality, slice count, positions in display order and warnings; the notes on skipped files."""
+    import json
+    import sys
+
+    try:
+        study = open_study(path)
+    except ScanError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({"series": [series.summary() for series in study.series], "notes": study.notes}))
+        return 0
+    for series in study.series:
+        known = [p for p in series.positions_mm if p is not None]
+        span = f", {known[0]:g} to {known[-1]:g} mm" if known else ""
+        print(f"{series.describe()}{span}")
+        for warning in series.warnings:
+            print(f"  warning: {warning}")
+    for note in study.notes:
+        print(f"note: {note}")
+    return 0

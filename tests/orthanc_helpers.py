@@ -1,0 +1,87 @@
+"""A real PACS for the tests: Debian's Orthanc with its DICOMweb plugin (`pytest -m pacs`).
+
+`orthanc` starts /usr/sbin/Orthanc on a free loopback port with a temporary storage folder and a
+generated configuration (DICOM networking off, HTTP basic login on), loads the synthetic CT series
+of tests/imaging_helpers.py (planted patient data, stored in shuffled order) through its REST API,
+and stops it after the module. scripts/install.sh --dev installs `orthanc` and `orthanc-dicomweb`;
+without the binary the tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import stop_process
+from .imaging_helpers import PLANTED, ct_series
+
+ORTHANC = Path("/usr/sbin/Orthanc")
+DICOMWEB_PLUGIN = Path("/usr/share/orthanc/plugins/libOrthancDicomWeb.so")  # from `dpkg -L orthanc-dicomweb`
+USER, PASSWORD = "pacs-reader", "pacs-test-password"
+SLICES = 40
+
+
+@dataclass
+class RunningOrthanc:
+    url: str  # REST root
+    dicomweb: str  # DICOMweb root (QIDO-RS, WADO-RS)
+    study_uid: str
+    accession: str
+    storage: Path
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def orthanc(tmp_path_factory):
+    import httpx
+
+    if not ORTHANC.is_file() or not DICOMWEB_PLUGIN.is_file():
+        pytest.skip(f"{ORTHANC} or its DICOMweb plugin is not installed (scripts/install.sh --dev installs "
+                    "Debian's orthanc and orthanc-dicomweb)")
+    root = tmp_path_factory.mktemp("orthanc")
+    port = _free_port()
+    config = {
+        "Name": "MedVQA test PACS", "StorageDirectory": str(root / "storage"), "IndexDirectory": str(root / "storage"),
+        "HttpPort": port, "RemoteAccessAllowed": False, "DicomServerEnabled": False,
+        "AuthenticationEnabled": True, "RegisteredUsers": {USER: PASSWORD},
+        "Plugins": [str(DICOMWEB_PLUGIN)], "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
+    }
+    (root / "orthanc.json").write_text(json.dumps(config))
+    log = root / "orthanc.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen([str(ORTHANC), str(root / "orthanc.json")], stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    auth = (USER, PASSWORD)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/system", auth=auth, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.time() > deadline:
+                pytest.fail(f"Orthanc did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        files = ct_series(SLICES)  # shuffled: stored in an order other than the slices'
+        for data in files:
+            response = httpx.post(f"{url}/instances", content=data, auth=auth, timeout=30)
+            assert response.status_code == 200, response.text
+        (study,) = httpx.get(f"{url}/studies", auth=auth).json()
+        tags = httpx.get(f"{url}/studies/{study}", auth=auth).json()["MainDicomTags"]
+        yield RunningOrthanc(url, f"{url}/dicom-web", tags["StudyInstanceUID"], PLANTED["AccessionNumber"],
+                             root / "storage", log)
+    finally:
+        stop_process(process)

@@ -1,0 +1,104 @@
+"""A study in a real browser (`pytest -m browser`): a 40-slice CT series, zipped in shuffled order,
+opens as one series in position order; the slice slider moves through it (keyboard too); a question
+is answered about the slice shown; the export names series, slice and window; no planted patient
+data reaches the page. Screenshots go to artifacts/browser/ as in tests/test_browser.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import numpy as np
+import pytest
+
+from medvqa.imaging import open_study
+from tests.test_browser import LAST_REPLY, browser, page, screenshot  # noqa: F401 - fixtures
+from tests.test_ui import app_url, ui_app, ui_pipeline, ui_settings, upload_folder  # noqa: F401 - fixtures
+
+from .imaging_helpers import PLANTED, ct_series, zip_bytes
+
+pytestmark = pytest.mark.browser
+
+def wait_for_caption(page, text: str) -> None:  # noqa: F811
+    page.wait_for_function("text => document.querySelector('#medvqa-viewer .medvqa-caption')?.innerText"
+                           ".includes(text)", arg=text)
+
+
+def shown_pixels(page) -> np.ndarray:  # noqa: F811
+    from io import BytesIO
+
+    from PIL import Image
+
+    src = page.get_attribute("#medvqa-scan", "src")
+    return np.asarray(Image.open(BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB"))
+
+
+def test_a_zipped_series_in_the_browser(page, tmp_path, ui_pipeline):  # noqa: F811
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{PLANTED['PatientName']}/{n:03d}.dcm": f for n, f in enumerate(ct_series(40))}))
+    series = open_study(archive).series[0]
+    page.set_input_files("#medvqa-upload input[type=file]", str(archive))
+    wait_for_caption(page, "series 1 · slice 21 of 40 · 0 mm")
+    assert page.locator("#medvqa-series input").input_value() == "Series 1: CT, 40 slices"
+    assert "Slice (of 40)" in page.inner_text("#medvqa-frame")
+
+    # The slider scrolls with the keyboard once it has focus, and takes a typed slice number.
+    page.focus("#medvqa-frame input[type=range]")
+    for _ in range(3):
+        page.keyboard.press("ArrowRight")
+    wait_for_caption(page, "series 1 · slice 24 of 40 · 7.5 mm")
+    number = page.locator("#medvqa-frame input[type=number]")
+    number.fill("30")
+    number.press("Tab")
+    wait_for_caption(page, "series 1 · slice 30 of 40 · 22.5 mm")
+    page.click("#medvqa-preset input")
+    page.get_by_role("option", name="Lung (C -600 / W 1500)").click()
+    wait_for_caption(page, "lung window (C -600 / W 1500)")
+    assert np.array_equal(shown_pixels(page), series.render("lung", 29).pixels)
+
+    asked_on = []
+    real_ask = ui_pipeline.ask
+
+    def ask(conversation, *args, **kwargs):
+        asked_on.append(conversation.image)
+        yield from real_ask(conversation, *args, **kwargs)
+
+    ui_pipeline.ask = ask
+    try:
+        page.locator("#medvqa-question textarea").fill("Is there a mass in the upper lobe?")
+        page.click("#medvqa-ask")
+        page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+    finally:
+        del ui_pipeline.ask
+    assert len(asked_on) == 1 and np.array_equal(asked_on[0], series.render("lung", 29).pixels)
+    screenshot(page, "07-series-slice.png")
+
+    page.get_by_text("Export conversation").click()
+    page.click("#medvqa-export")
+    link = page.locator("#medvqa-export-links a[download='medvqa-conversation.json']")
+    link.wait_for(state="attached")
+    record = json.loads(base64.b64decode(link.get_attribute("href").split(",", 1)[1]))
+    (turn,) = record["turns"]
+    assert (turn["series"], turn["slice"], turn["slices"], turn["position_mm"]) == (1, 30, 40, 22.5)
+    assert turn["window"].startswith("lung window")
+
+    content = page.content()
+    found = [part for value in PLANTED.values() for part in re.split(r"[\s^]+", value) if part in content]
+    assert not found, found
+
+
+def test_two_orientations_are_said_and_a_bomb_refused(page, tmp_path):  # noqa: F811
+    import pydicom
+
+    uid = pydicom.uid.generate_uid()
+    mixed = tmp_path / "mixed.zip"
+    mixed.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(
+        ct_series(4, series_uid=uid) + ct_series(3, series_uid=uid, orientation=(0, 1, 0, 0, 0, -1)))}))
+    page.set_input_files("#medvqa-upload input[type=file]", str(mixed))
+    page.locator("#medvqa-series-notes").get_by_text("2 different orientations").wait_for()
+    bomb = tmp_path / "bomb.zip"
+    bomb.write_bytes(zip_bytes({"slice.dcm": bytes(60 * 2**20)}))
+    page.set_input_files("#medvqa-upload input[type=file]", str(bomb))
+    page.locator(LAST_REPLY).get_by_text("zip bomb").wait_for()
+    screenshot(page, "08-zip-bomb-refused.png")

@@ -1,0 +1,210 @@
+"""medvqa.imaging.series and archive: several files opened as a study, slices in position order,
+what is odd about a series said in words, and hostile archives refused before anything is extracted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+
+import numpy as np
+import pydicom
+import pytest
+from pydicom.dataset import Dataset
+
+from medvqa.imaging import ScanError, ScanLimits, Window, open_study
+
+from .imaging_helpers import PLANTED, ct_series, dicom_bytes, zip_bytes
+
+READ_BACK = Window(200, 1000, "user")  # disc values 0..390 HU (slice index × 10) land on distinct grey levels
+
+
+def slice_shown(scan) -> int:
+    """Which synthetic slice a render shows, read back from its disc's grey level."""
+    grey = float(scan.pixels[32, 32, 0])
+    return int(round(((grey / 255) * (READ_BACK.width - 1) + READ_BACK.center - 0.5 - READ_BACK.width / 2) / 10))
+
+
+def structured_report() -> bytes:
+    ds = Dataset()
+    ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.88.22"  # Enhanced SR
+    ds.SOPInstanceUID = pydicom.uid.generate_uid()
+    ds.Modality = "SR"
+    ds.PatientName = PLANTED["PatientName"]
+    return dicom_bytes(ds)
+
+
+def test_a_shuffled_zip_opens_as_one_series_in_position_order():
+    study = open_study(zip_bytes({f"study/{n:03d}.dcm": f for n, f in enumerate(ct_series(40))}))
+    assert len(study.series) == 1 and study.notes == []
+    series = study.series[0]
+    assert series.modality == "CT" and series.frame_count == 40 and series.warnings == []
+    assert series.positions_mm == [-50 + 2.5 * i for i in range(40)]
+    for index in (0, 1, 17, 39):
+        scan = series.render(READ_BACK, index)
+        assert slice_shown(scan) == index
+        assert (scan.frame_index, scan.frame_count, scan.series, scan.position_mm) == (index, 40, 1, -50 + 2.5 * index)
+    assert series.render().frame_index == 20  # the middle slice first, as viewers open a stack
+
+
+def test_one_window_for_the_whole_series_while_scrolling():
+    series = open_study(ct_series(12)).series[0]
+    windows = {series.render(frame=i).window for i in range(12)}
+    assert len(windows) == 1 and next(iter(windows)).name == "auto-percentile"
+    assert {series.render("lung", i).window.name for i in range(12)} == {"lung"}
+
+
+def test_a_descending_normal_orders_by_position_along_it():
+    # Orientation rows along x, columns along -y: the normal is -z, so positions count along -z.
+    series = open_study(ct_series(6, orientation=(1, 0, 0, 0, -1, 0))).series[0]
+    assert series.positions_mm == [-50 + 2.5 * i for i in range(6)]
+    assert [slice_shown(series.render(READ_BACK, i)) for i in range(6)] == list(range(6))
+
+
+def test_a_folder_with_a_report_and_stray_files_skips_them_with_notes(tmp_path):
+    for n, data in enumerate(ct_series(8)):
+        (tmp_path / "a" / "b").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "a" / "b" / f"IM{n}").write_bytes(data)
+    (tmp_path / "report.dcm").write_bytes(structured_report())
+    (tmp_path / "notes.txt").write_text("not an image")
+    study = open_study(tmp_path)
+    assert [s.frame_count for s in study.series] == [8]
+    assert study.notes == ["Skipped 1 file: a Structured Report (no image).", "Skipped 1 file: not a DICOM file."]
+
+
+def test_two_series_are_kept_apart_largest_first():
+    study = open_study(ct_series(3) + ct_series(7, first=100))
+    assert [(s.number, s.frame_count) for s in study.series] == [(1, 7), (2, 3)]
+    assert study.series[0].positions_mm[0] == 100
+
+
+def test_without_positions_slices_follow_the_instance_number():
+    series = open_study(ct_series(5, placed=False)).series[0]
+    assert series.positions_mm == [None] * 5
+    assert [slice_shown(series.render(READ_BACK, i)) for i in range(5)] == list(range(5))
+    assert "instance-number order" in series.warnings[0]
+
+
+def test_two_orientations_in_one_series_are_said():
+    uid = pydicom.uid.generate_uid()
+    series = open_study(ct_series(4, series_uid=uid) + ct_series(3, series_uid=uid, orientation=(0, 1, 0, 0, 0, -1))
+                        ).series[0]
+    assert series.frame_count == 7
+    assert "2 different orientations" in series.warnings[0]
+
+
+def test_gaps_and_duplicate_positions_are_said():
+    files = ct_series(10, shuffle_seed=None)
+    gap = open_study(files[:4] + files[6:]).series[0]
+    assert gap.warnings == ["The series has 1 gap where slices are missing: after slice 4 (7.5 mm); slices are "
+                            "2.5 mm apart elsewhere."]
+    uid = pydicom.uid.generate_uid()
+    doubled = open_study(ct_series(5, series_uid=uid) + ct_series(2, series_uid=uid)).series[0]
+    assert doubled.frame_count == 7 and "4 slices share their position" in doubled.warnings[0]
+
+
+def test_a_folder_of_files_that_are_not_dicom_gets_a_message(tmp_path):
+    for n in range(3):
+        (tmp_path / f"file{n}.txt").write_text("hello")
+    with pytest.raises(ScanError, match=r"None of the 3 files in this upload is a DICOM image\. "
+                                        r"Skipped 3 files: not a DICOM file\."):
+        open_study(tmp_path)
+
+
+def test_a_single_file_keeps_its_own_message():
+    with pytest.raises(ScanError, match="Structured Report and holds no image"):
+        open_study(structured_report())
+
+
+@pytest.mark.parametrize("name", ["../escape.dcm", "a/../../escape.dcm", "/etc/escape.dcm", "C:/escape.dcm",
+                                  "a\\..\\..\\escape.dcm"])
+def test_a_zip_with_entries_pointing_outside_it_is_refused(name):
+    with pytest.raises(ScanError, match="point outside it"):
+        open_study(zip_bytes({"ok.dcm": ct_series(1)[0], name: ct_series(1)[0]}))
+
+
+def test_a_zip_bomb_is_refused_before_it_is_extracted():
+    bomb = zip_bytes({"slice.dcm": bytes(60 * 2**20)})  # 60 MB of zeros in about 60 kB
+    assert len(bomb) < 2**20
+    with pytest.raises(ScanError, match="zip bomb"):
+        open_study(bomb)
+    with pytest.raises(ScanError, match="zip bomb"):  # many entries, each under the per-entry floor
+        open_study(zip_bytes({f"{n}.dcm": bytes(2**20) for n in range(40)}))
+
+
+def test_a_zip_of_ten_thousand_tiny_files_is_refused_by_count():
+    archive = zip_bytes({f"f{n}": b"x" for n in range(10_000)}, compression=zipfile.ZIP_STORED)
+    with pytest.raises(ScanError, match="holds 10,000 files or more; at most 4,096"):
+        open_study(archive)
+
+
+def test_nested_archives_are_refused(tmp_path):
+    inner = zip_bytes({"a.dcm": ct_series(1)[0]})
+    with pytest.raises(ScanError, match="nested archives"):
+        open_study(zip_bytes({"inner.zip": inner}))
+    with pytest.raises(ScanError, match="nested archives"):
+        open_study(zip_bytes({"inner.bin": inner}))  # told by content, not by name
+    (tmp_path / "series.zip").write_bytes(inner)
+    with pytest.raises(ScanError, match="nested archives"):
+        open_study(tmp_path)
+
+
+def test_caps_apply_to_folders_and_lists(tmp_path):
+    limits = ScanLimits(max_files=5)
+    with pytest.raises(ScanError, match="at most 5"):
+        open_study(ct_series(6), limits)
+    for n, data in enumerate(ct_series(6)):
+        (tmp_path / f"{n}.dcm").write_bytes(data)
+    with pytest.raises(ScanError, match="at most 5"):
+        open_study(tmp_path, limits)
+    with pytest.raises(ScanError, match="limit for one upload"):
+        open_study(tmp_path, ScanLimits(max_total_bytes=20_000))
+
+
+def test_no_planted_patient_data_passes_the_boundary(tmp_path, caplog, capsys):
+    from medvqa.__main__ import main
+
+    caplog.set_level(logging.DEBUG)
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{PLANTED['PatientName']}/{n}.dcm": f for n, f in enumerate(ct_series(6))}))
+    study = open_study(archive)
+    series = study.series[0]
+    scan = series.render("lung", 2)
+    assert main(["scan", str(archive), "--json"]) == 0
+    assert main(["scan", str(archive)]) == 0
+    seen = " ".join([repr(study), repr(series), repr(scan), json.dumps(series.summary()), series.describe(),
+                     json.dumps(scan.safe_meta), caplog.text, *capsys.readouterr()])
+    for value in PLANTED.values():
+        for part in value.replace("^", " ").split():
+            assert part not in seen, part
+    assert not hasattr(series, "uid") and all(len(v) < 40 for v in scan.safe_meta.values())
+
+
+def test_scan_json_lists_series_in_display_order(tmp_path, capsys):
+    from medvqa.__main__ import main
+
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(40))}))
+    assert main(["scan", str(archive), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"series": [{"modality": "CT", "slices": 40, "positions_mm": [-50 + 2.5 * i for i in range(40)],
+                                   "warnings": []}], "notes": []}
+
+
+def test_ask_slice_k_shows_the_model_that_slice(tmp_path, capsys, monkeypatch, tiny_pipeline):
+    from medvqa.__main__ import main
+    from medvqa.pipeline import Pipeline
+
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(12))}))
+    seen = []
+    original = tiny_pipeline.new_conversation
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    monkeypatch.setattr(tiny_pipeline, "new_conversation", lambda scan: seen.append(scan) or original(scan))
+    assert main(["ask", str(archive), "Is there a mass?", "--slice", "4", "--window", "200,1000",
+                 "--no-retrieval"]) == 0
+    (scan,) = seen
+    assert scan.frame_index == 3 and slice_shown(scan) == 3 and scan.window.center == 200
+    assert np.array_equal(scan.pixels, open_study(archive).series[0].render(READ_BACK, 3).pixels)
+    assert main(["ask", str(archive), "Is there a mass?", "--slice", "13"]) == 2
+    assert "Slice 13 was requested, but this series has 12 slices (1 to 12)" in capsys.readouterr().err

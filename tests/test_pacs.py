@@ -1,0 +1,125 @@
+"""Studies from a real PACS (`pytest -m pacs`): Debian's Orthanc, started by tests/orthanc_helpers.py,
+holding a 40-slice synthetic CT with planted patient data stored in shuffled order. The study is
+found by Study Instance UID and by accession number, fetched over DICOMweb through medvqa.pacs, the
+command line and the web app; its slices come in position order, and neither the planted data nor
+the identifier typed appears in the page, the logs, the export or on disk."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import numpy as np
+import pytest
+
+from medvqa.pacs import ENV_PASSWORD, ENV_USERNAME, Pacs, PacsError
+
+from .imaging_helpers import PLANTED
+from .orthanc_helpers import PASSWORD, SLICES, USER, orthanc  # noqa: F401 - fixture
+from .ui_helpers import (QUESTION, client, decoded_image, text_of, ui_pipeline, ui_settings,  # noqa: F401
+                         upload_folder)
+
+pytestmark = pytest.mark.pacs
+
+CREDENTIALS = {ENV_USERNAME: USER, ENV_PASSWORD: PASSWORD}
+
+
+def secrets(running) -> list[str]:
+    """What must never leave the archive: the planted patient data and the identifiers typed."""
+    parts = [part for value in PLANTED.values() for part in re.split(r"[\s^]+", value)]
+    return parts + [running.study_uid, running.accession]
+
+
+def leaked(running, text: str) -> list[str]:
+    return [secret for secret in secrets(running) if secret in text]
+
+
+def test_find_by_study_uid_and_accession_and_fetch_in_position_order(orthanc, caplog):  # noqa: F811
+    caplog.set_level(logging.DEBUG)
+    pacs = Pacs(orthanc.dicomweb, env=CREDENTIALS)
+    for identifier in (orthanc.study_uid, orthanc.accession):
+        (found,) = pacs.find_series(identifier)
+        assert (found.number, found.modality, found.slices) == (1, "CT", SLICES)
+        assert orthanc.study_uid not in repr(found) and orthanc.study_uid not in found.describe()
+    seen = []
+    study = pacs.fetch(found, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (SLICES, SLICES) and len(seen) == SLICES
+    (series,) = study.series
+    assert series.positions_mm == [-50 + 2.5 * i for i in range(SLICES)] and series.warnings == []
+    assert not leaked(orthanc, caplog.text + repr(study) + json.dumps(series.summary()))
+
+
+def test_refusals_say_what_went_wrong_without_quoting_the_identifier(orthanc, caplog):  # noqa: F811
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(PacsError, match="refused the credentials") as refused:
+        Pacs(orthanc.dicomweb, env={}).find_series(orthanc.study_uid)
+    with pytest.raises(PacsError, match="No study with that identifier") as unknown:
+        Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series("1.2.3.4.5.6.7")
+    with pytest.raises(PacsError, match="could not be reached"):
+        Pacs("http://127.0.0.1:9/dicom-web", env=CREDENTIALS).find_series(orthanc.study_uid)
+    with pytest.raises(PacsError, match="Please type a Study Instance UID"):
+        Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series("<script>")
+    assert not leaked(orthanc, caplog.text + str(refused.value) + str(unknown.value))
+    assert "1.2.3.4.5.6.7" not in caplog.text
+
+
+def test_the_command_line_reads_the_identifier_from_stdin(orthanc, monkeypatch, capsys):  # noqa: F811
+    from medvqa.__main__ import main
+
+    monkeypatch.setenv(ENV_USERNAME, USER)
+    monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+    monkeypatch.setattr("sys.stdin", io.StringIO(orthanc.accession + "\n"))
+    assert main(["scan", "--pacs-url", orthanc.dicomweb, "--json"]) == 0
+    out, err = capsys.readouterr()
+    (series,) = json.loads(out)["series"]
+    assert series["slices"] == SLICES and series["positions_mm"] == [-50 + 2.5 * i for i in range(SLICES)]
+    assert not leaked(orthanc, out + err)
+
+
+@pytest.fixture(scope="module")
+def pacs_app(orthanc, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
+    from medvqa.ui import build_app, launch
+
+    demo = build_app(ui_pipeline, ui_settings, max_upload_mb=1, pacs=Pacs(orthanc.dicomweb, env=CREDENTIALS))
+    _, url, _ = launch(demo, port=None, max_upload_mb=1, block=False, quiet=True)
+    yield url
+    demo.close()
+
+
+@pytest.mark.parametrize("by", ["study_uid", "accession"])
+def test_the_app_opens_the_study_and_nothing_identifying_leaves(orthanc, pacs_app, by, caplog,  # noqa: F811
+                                                                 upload_folder, tiny_cache):  # noqa: F811
+    caplog.set_level(logging.DEBUG)
+    c = client(pacs_app)
+    identifier = getattr(orthanc, by)
+    box, choices, status, *_ = c.predict(identifier, api_name="/pacs_find")
+    assert box == "" and "Found 1 series" in status
+    assert [choice[0] for choice in choices["choices"]] == ["Series 1: CT, 40 slices"]
+    viewer, *_, meta, chat = c.predict(1, api_name="/pacs_load")
+    assert "series 1 · slice 21 of 40 · 0 mm" in viewer, chat
+    viewer, *_ = c.predict("lung", 21, api_name="/set_preset")
+    viewer, *_ = c.predict(8, api_name="/set_frame")
+    assert "series 1 · slice 8 of 40 · -32.5 mm" in viewer and "lung window" in viewer
+    assert np.asarray(decoded_image(viewer)).std() > 0
+    c.predict(QUESTION, api_name="/ask")
+    _, markdown, as_json = c.predict(api_name="/export")
+    turn = json.loads(as_json)["turns"][0]
+    assert (turn["series"], turn["slice"]) == (1, 8) and turn["window"].startswith("lung window")
+    page = " ".join([box, json.dumps(choices), status, viewer, json.dumps(meta), json.dumps(chat)])
+    assert not leaked(orthanc, page + markdown + as_json + caplog.text)
+    written = [path for folder in (upload_folder, tiny_cache) for path in folder.rglob("*") if path.is_file()]
+    for path in written:  # nothing of the study on disk where the app writes
+        data = path.read_bytes()
+        assert not [s for s in secrets(orthanc) if s.encode() in data], path
+
+
+def test_the_app_refuses_an_unknown_study_and_keeps_serving(orthanc, pacs_app):  # noqa: F811
+    c = client(pacs_app)
+    _, choices, status, *_ = c.predict("1.2.3.4.5.6.7", api_name="/pacs_find")
+    assert "No study with that identifier" in status and "1.2.3.4.5.6.7" not in status
+    *_, chat = c.predict(1, api_name="/pacs_load")
+    assert "Find a study in the PACS first" in text_of(chat[-1])
+    _, _, status, *_ = c.predict(orthanc.study_uid, api_name="/pacs_find")
+    assert "Found 1 series" in status
