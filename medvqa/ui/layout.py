@@ -43,6 +43,9 @@ _CSS = """
 def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_mb: float = 100,
               concurrency: int = DEFAULT_CONCURRENCY) -> gr.Blocks:
     """The Blocks app around a loaded pipeline. Launch it with `launch()`."""
+    # Before the Blocks exist: Gradio takes the folder it moves uploads to from GRADIO_TEMP_DIR when
+    # they are made, and the handlers only read uploads from the folder launch() serves.
+    _upload_folder()
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
