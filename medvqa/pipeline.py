@@ -11,9 +11,11 @@ tokens) or by a random conversation id (the engine's prefix cache): everything a
 and chat lives in their `Conversation` object. It talks to whichever engine the settings chose
 through one interface (engines/base.py) and never asks which one it has.
 
-Concurrent conversations take turns on the model: each step of an answer (and each warming) holds
-one first-come-first-served turn, so answers interleave token by token instead of contending for
-the cores and the tokenizer, which is not thread-safe.
+Concurrent conversations take turns: each step of an answer (and each warming) holds one
+first-come-first-served turn, so answers interleave token by token instead of contending for the
+cores and the tokenizer, which is not thread-safe. An engine that batches (llama.cpp) runs its work
+in its own steps for every request at once; while a request waits for it, its turn is given up
+(`EngineRequest.waiting`), so the turn covers only the pipeline's own work around the engine.
 """
 
 from __future__ import annotations
@@ -111,20 +113,42 @@ class TurnTaking:
     def __init__(self):
         self._condition = threading.Condition()
         self._waiting: collections.deque = collections.deque()
+        self._held = threading.local()  # the ticket of the turn this thread holds, if any
 
     @contextlib.contextmanager
     def turn(self):
+        self._take()
+        try:
+            yield
+        finally:
+            self._give_up()
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Give up this thread's turn (if it holds one) while it waits for work that runs without
+        turns, such as a batching engine's steps; take a new turn, at the back of the queue, after."""
+        if getattr(self._held, "ticket", None) is None:
+            yield
+            return
+        self._give_up()
+        try:
+            yield
+        finally:
+            self._take()
+
+    def _take(self) -> None:
         ticket = object()
         with self._condition:
             self._waiting.append(ticket)
             while self._waiting[0] is not ticket:
                 self._condition.wait()
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._waiting.popleft()
-                self._condition.notify_all()
+        self._held.ticket = ticket
+
+    def _give_up(self) -> None:
+        self._held.ticket = None
+        with self._condition:
+            self._waiting.popleft()
+            self._condition.notify_all()
 
 
 class Pipeline:
@@ -337,7 +361,7 @@ class Pipeline:
     def _request(self, image: np.ndarray, prompt: Prompt, digest: str, conversation_id: str = "") -> EngineRequest:
         model = self.model
         tokens = (lambda: model.image_tokens(image, digest)) if model is not None else None
-        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens)
+        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens, waiting=self.turns.aside)
 
     # --- closed questions ----------------------------------------------------------------------------
 
