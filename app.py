@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--max-upload-mb", type=float, default=100, help="largest upload accepted (default 100)")
     parser.add_argument("--concurrency", type=int, default=8, help="answers generated at once (default 8)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="serve live Prometheus metrics at /metrics (behind the login when one is set)")
     parser.add_argument("--insecure-no-login", action="store_true",
                         help="listen on a non-loopback --host without a login (only behind a layer that has its "
                              "own, e.g. a reverse proxy or a Docker port published on 127.0.0.1)")
@@ -60,11 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         except RetrievalError as error:
             print(f"warning: literature retrieval is unavailable, serving without it: {error}", file=sys.stderr)
             with_retrieval = False
-    pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True)
+    metrics = None
+    if args.metrics:
+        from medvqa.metrics import ServingMetrics
+
+        metrics = ServingMetrics()
+    pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
     if auth is None and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
     demo = build_app(pipeline, settings, max_upload_mb=args.max_upload_mb, concurrency=args.concurrency)
-    launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth)
+    launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth, metrics=metrics)
     return 0
 
 

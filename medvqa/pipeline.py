@@ -37,6 +37,7 @@ from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
 from .engines.base import shared_prefix
 from .language_model import hub_offline_env
+from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
@@ -153,8 +154,9 @@ class TurnTaking:
 
 class Pipeline:
     def __init__(self, settings: Settings, engine: Engine, model: VisionLanguageModel | None = None,
-                 retriever=None):
+                 retriever=None, metrics=None):
         self.settings = settings
+        self.metrics = metrics  # metrics.ServingMetrics the answers are recorded in, or None
         self.engine = engine
         self.model = model  # None when the engine runs the vision side itself (a remote server)
         self.retriever = retriever
@@ -166,7 +168,8 @@ class Pipeline:
         self.turns = TurnTaking()
 
     @classmethod
-    def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True) -> "Pipeline":
+    def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
+             metrics=None) -> "Pipeline":
         hub_offline_env(settings.offline)
         torch.manual_seed(settings.seed)
         device = pick_device(settings.device)
@@ -180,7 +183,7 @@ class Pipeline:
 
             ensure_default_index(settings.retrieval, progress=progress)
             retriever = Retriever.open(settings.retrieval)
-        return cls(settings, engine, model, retriever)
+        return cls(settings, engine, model, retriever, metrics)
 
     # --- conversations ---------------------------------------------------------------------------
 
@@ -226,7 +229,8 @@ class Pipeline:
         With `warm` (and `decoder.warm_next_turn`), iterating past Done prefills the start of the
         next turn (see warm_next_turn); a one-shot caller passes warm=False. Each step runs in one
         turn on the model (see TurnTaking)."""
-        events = self._answer_events(conversation, question, **options)
+        tracker = AnswerTracker(self.metrics)
+        events = self._answer_events(conversation, question, tracker=tracker, **options)
         try:
             while True:
                 with self.turns.turn():
@@ -236,10 +240,13 @@ class Pipeline:
                 yield event
         finally:
             events.close()  # a caller that stops reading (Stop) releases what the engine holds
+            tracker.close()
 
     def _answer_events(self, conversation: Conversation, question: str, *, use_retrieval: bool = True,
                        safe_meta: dict | None = None, max_new_tokens: int | None = None,
-                       constrained: bool | None = None, warm: bool = True) -> Iterator[Sources | Token | Done]:
+                       constrained: bool | None = None, warm: bool = True,
+                       tracker: AnswerTracker | None = None) -> Iterator[Sources | Token | Done]:
+        tracker = tracker or AnswerTracker(None)
         question = question.strip()
         if not question:
             raise ValueError("Please type a question about the image.")
@@ -284,8 +291,10 @@ class Pipeline:
                                         timings=timings)
         answer_parts = []
         for piece in pieces:
+            now = time.perf_counter()
             if not answer_parts:
-                timings["ttft_s"] = time.perf_counter() - start
+                timings["ttft_s"] = now - start
+            tracker.piece(now)
             answer_parts.append(piece)
             yield Token(piece)
         answer = "".join(answer_parts).strip()
@@ -303,6 +312,7 @@ class Pipeline:
             closed.update(image_reliance(closed["options"], self._option_scores(neutral, candidates)[1]))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
+        tracker.done(timings, len(answer_parts), closed)
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads

@@ -298,6 +298,8 @@ class LlamaCppEngine(Engine):
                 piece = detokenizer.push(token)
                 if piece:
                     yield piece
+            if timings is not None:
+                timings["output_tokens"] = job.generated
         finally:
             self._finish(job)
 
