@@ -28,7 +28,7 @@ from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
           "wrong. Check every statement against the images and the cited literature; do not use it for "
           "clinical decisions.")
-DEFAULT_CONCURRENCY = 8  # answers generated at once; their decoding steps take turns on the model
+DEFAULT_CONCURRENCY = 8  # answers generated at once (llama.cpp runs their steps in shared batches)
 
 _CSS = """
 #medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; color: #78350f; }
