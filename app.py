@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a DICOMweb endpoint (QIDO-RS, WADO-RS) to open studies from, e.g. "
                              "http://pacs:8042/dicom-web; credentials from MEDVQA_PACS_USERNAME and "
                              "MEDVQA_PACS_PASSWORD, or MEDVQA_PACS_TOKEN")
+    parser.add_argument("--metrics", action="store_true",
+                        help="serve live Prometheus metrics at /metrics (behind the login when one is set)")
     parser.add_argument("--insecure-no-login", action="store_true",
                         help="listen on a non-loopback --host without a login (only behind a layer that has its "
                              "own, e.g. a reverse proxy or a Docker port published on 127.0.0.1)")
@@ -64,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         except RetrievalError as error:
             print(f"warning: literature retrieval is unavailable, serving without it: {error}", file=sys.stderr)
             with_retrieval = False
-    pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True)
+    metrics = None
+    if args.metrics:
+        from medvqa.metrics import ServingMetrics
+
+        metrics = ServingMetrics()
+    pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
     if auth is None and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
     pacs = None
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     demo = build_app(pipeline, settings, max_upload_mb=args.max_upload_mb, concurrency=args.concurrency, pacs=pacs)
-    launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth)
+    launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth, metrics=metrics)
     return 0
 
 

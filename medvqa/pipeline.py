@@ -11,9 +11,11 @@ tokens) or by a random conversation id (the engine's prefix cache): everything a
 and chat lives in their `Conversation` object. It talks to whichever engine the settings chose
 through one interface (engines/base.py) and never asks which one it has.
 
-Concurrent conversations take turns on the model: each step of an answer (and each warming) holds
-one first-come-first-served turn, so answers interleave token by token instead of contending for
-the cores and the tokenizer, which is not thread-safe.
+Concurrent conversations take turns: each step of an answer (and each warming) holds one
+first-come-first-served turn, so answers interleave token by token instead of contending for the
+cores and the tokenizer, which is not thread-safe. An engine that batches (llama.cpp) runs its work
+in its own steps for every request at once; while a request waits for it, its turn is given up
+(`EngineRequest.waiting`), so the turn covers only the pipeline's own work around the engine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
 from .engines.base import shared_prefix
 from .language_model import hub_offline_env
+from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
@@ -112,26 +115,49 @@ class TurnTaking:
     def __init__(self):
         self._condition = threading.Condition()
         self._waiting: collections.deque = collections.deque()
+        self._held = threading.local()  # the ticket of the turn this thread holds, if any
 
     @contextlib.contextmanager
     def turn(self):
+        self._take()
+        try:
+            yield
+        finally:
+            self._give_up()
+
+    @contextlib.contextmanager
+    def aside(self):
+        """Give up this thread's turn (if it holds one) while it waits for work that runs without
+        turns, such as a batching engine's steps; take a new turn, at the back of the queue, after."""
+        if getattr(self._held, "ticket", None) is None:
+            yield
+            return
+        self._give_up()
+        try:
+            yield
+        finally:
+            self._take()
+
+    def _take(self) -> None:
         ticket = object()
         with self._condition:
             self._waiting.append(ticket)
             while self._waiting[0] is not ticket:
                 self._condition.wait()
-        try:
-            yield
-        finally:
-            with self._condition:
-                self._waiting.popleft()
-                self._condition.notify_all()
+        self._held.ticket = ticket
+
+    def _give_up(self) -> None:
+        self._held.ticket = None
+        with self._condition:
+            self._waiting.popleft()
+            self._condition.notify_all()
 
 
 class Pipeline:
     def __init__(self, settings: Settings, engine: Engine, model: VisionLanguageModel | None = None,
-                 retriever=None):
+                 retriever=None, metrics=None):
         self.settings = settings
+        self.metrics = metrics  # metrics.ServingMetrics the answers are recorded in, or None
         self.engine = engine
         self.model = model  # None when the engine runs the vision side itself (a remote server)
         self.retriever = retriever
@@ -144,7 +170,8 @@ class Pipeline:
         self.calibration = load_calibration(settings.decoder.calibration)
 
     @classmethod
-    def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True) -> "Pipeline":
+    def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
+             metrics=None) -> "Pipeline":
         hub_offline_env(settings.offline)
         torch.manual_seed(settings.seed)
         device = pick_device(settings.device)
@@ -158,7 +185,7 @@ class Pipeline:
 
             ensure_default_index(settings.retrieval, progress=progress)
             retriever = Retriever.open(settings.retrieval)
-        return cls(settings, engine, model, retriever)
+        return cls(settings, engine, model, retriever, metrics)
 
     # --- conversations ---------------------------------------------------------------------------
 
@@ -204,7 +231,8 @@ class Pipeline:
         With `warm` (and `decoder.warm_next_turn`), iterating past Done prefills the start of the
         next turn (see warm_next_turn); a one-shot caller passes warm=False. Each step runs in one
         turn on the model (see TurnTaking)."""
-        events = self._answer_events(conversation, question, **options)
+        tracker = AnswerTracker(self.metrics)
+        events = self._answer_events(conversation, question, tracker=tracker, **options)
         try:
             while True:
                 with self.turns.turn():
@@ -214,10 +242,13 @@ class Pipeline:
                 yield event
         finally:
             events.close()  # a caller that stops reading (Stop) releases what the engine holds
+            tracker.close()
 
     def _answer_events(self, conversation: Conversation, question: str, *, use_retrieval: bool = True,
                        safe_meta: dict | None = None, max_new_tokens: int | None = None,
-                       constrained: bool | None = None, warm: bool = True) -> Iterator[Sources | Token | Done]:
+                       constrained: bool | None = None, warm: bool = True,
+                       tracker: AnswerTracker | None = None) -> Iterator[Sources | Token | Done]:
+        tracker = tracker or AnswerTracker(None)
         question = question.strip()
         if not question:
             raise ValueError("Please type a question about the image.")
@@ -265,8 +296,10 @@ class Pipeline:
                                         timings=timings)
         answer_parts = []
         for piece in pieces:
+            now = time.perf_counter()
             if not answer_parts:
-                timings["ttft_s"] = time.perf_counter() - start
+                timings["ttft_s"] = now - start
+            tracker.piece(now)
             answer_parts.append(piece)
             yield Token(piece)
         answer = "".join(answer_parts).strip()
@@ -286,6 +319,7 @@ class Pipeline:
             closed.update(image_reliance(closed["options"], self._option_scores(neutral, candidates)[1]))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
+        tracker.done(timings, len(answer_parts), closed)
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
@@ -344,7 +378,7 @@ class Pipeline:
     def _request(self, image: np.ndarray, prompt: Prompt, digest: str, conversation_id: str = "") -> EngineRequest:
         model = self.model
         tokens = (lambda: model.image_tokens(image, digest)) if model is not None else None
-        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens)
+        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens, waiting=self.turns.aside)
 
     # --- closed questions ----------------------------------------------------------------------------
 

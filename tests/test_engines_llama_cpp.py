@@ -35,13 +35,7 @@ def test_llama_cpp_logits_follow_transformers(pipelines):
     image = _image(0)
     prompt = reference.prompts.build("What organ is shown in this image?")
     request = EngineRequest("", prompt, image, -7, lambda: llama.model.image_tokens(image))
-    keyed = request.cache_ids()
-    engine = llama.engine
-    slot = engine._take_slot(keyed)
-    try:
-        ours, _ = engine._prefill(slot, request, keyed)
-    finally:
-        engine._give_back(slot)
+    ours = np.asarray(llama.engine.score_options(request, [[token] for token in range(llama.engine.n_vocab)]))
     embeds = embed_prompt(reference.engine.language_model.embed, prompt.token_ids, prompt.image_mask,
                           lambda: reference.model.image_tokens(image))
     theirs = reference.engine.forward_embeds(embeds)[0][0].numpy()
@@ -182,3 +176,71 @@ def test_requantized_gguf_is_made_once_and_read_as_its_type(tmp_path):
     settings.decoder.engine, settings.decoder.llama_cpp_type = "llama.cpp", "Q8_0"
     engine = load_engine(settings, torch.device("cpu"), torch.float32)
     assert gguf_file_type(engine.gguf_path) == "Q8_0" and engine.gguf_path.startswith(settings.cache_dir)
+
+
+def test_answers_in_one_batch_are_the_tokens_of_answers_alone(pipelines):
+    """Greedy decoding: the same questions asked one at a time and all at once give the same tokens,
+    prompts prefilled in shared steps included, and all at once took fewer llama_decode calls than
+    the tokens generated (each step carried several answers' next tokens)."""
+    import threading
+
+    from medvqa.engines.llama_steps import Generation
+
+    llama, _ = pipelines
+    engine = llama.engine
+    questions = ["Describe the image.", "What organ is shown?", "Which side is abnormal?",
+                 "What abnormality is seen in this image?"]
+    images = [_image(40 + i) for i in range(len(questions))]
+
+    def token_ids(image, question, barrier=None) -> list[int]:
+        # The engine's own path (stream() yields text; the job gives the ids it sampled).
+        request = llama._request(image, llama.prompts.build(question), image_digest(image))
+        job, _ = engine._start(request, Generation, sample=lambda logits: int(np.argmax(logits)), max_new_tokens=24,
+                               stop_ids=frozenset(engine.stop_ids))
+        if barrier is not None:
+            barrier.wait(timeout=60)
+        engine.loop.submit(job)
+        ids = []
+        try:
+            while (token := job.next_token(request.waiting)) is not None:
+                ids.append(token)
+        finally:
+            engine._finish(job)
+        return ids
+
+    def forget_images():
+        for image in images:
+            engine.forget_image(image_key(image_digest(image)))
+
+    forget_images()
+    alone = [token_ids(image, question) for image, question in zip(images, questions)]
+    forget_images()
+    together: list = [None] * len(questions)
+    barrier = threading.Barrier(len(questions))
+    steps_before = engine.loop.steps
+
+    def run(index):
+        together[index] = token_ids(images[index], questions[index], barrier)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    steps = engine.loop.steps - steps_before
+    forget_images()
+    assert together == alone and all(alone)
+    assert steps < sum(len(ids) for ids in alone)
+
+
+def test_a_stopped_answer_leaves_the_batch_and_frees_its_slot(pipelines):
+    """A reader that stops (the app's Stop) takes its answer out of the step loop at the next step;
+    its slot is free again and another answer runs to the end."""
+    llama, _ = pipelines
+    stream = llama.ask(Conversation(image=_image(50)), "Describe the image.", constrained=False,
+                       use_retrieval=False, warm=False)
+    next(event for event in stream if not isinstance(event, Done) and getattr(event, "text", ""))
+    stream.close()
+    assert not any(slot.busy for slot in llama.engine._slots)
+    answer, _ = llama.answer(_image(51), "What organ is shown?", use_retrieval=False, constrained=False)
+    assert answer

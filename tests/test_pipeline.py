@@ -237,3 +237,34 @@ def test_conversations_take_turns_on_the_model(tiny_pipeline):
     worker.join(timeout=60)
     assert finished.is_set() and tiny_pipeline.engine.prefixes.get(conversation.id) is not None
     tiny_pipeline.end_conversation(conversation)
+
+
+def test_a_turn_set_aside_lets_others_through_and_is_taken_back():
+    """What a batching engine does while it waits for its steps: the waiting thread gives up its turn
+    (others take theirs meanwhile) and holds a turn again once it is done waiting."""
+    import threading
+
+    from medvqa.pipeline import TurnTaking
+
+    turns = TurnTaking()
+    taken = []
+
+    def other():
+        with turns.turn():
+            taken.append(threading.current_thread().name)
+
+    with turns.turn():
+        with turns.aside():
+            first = threading.Thread(target=other, name="first")
+            first.start()
+            first.join(timeout=10)
+            assert taken == ["first"]
+        second = threading.Thread(target=other, name="second")
+        second.start()
+        second.join(timeout=0.3)
+        assert second.is_alive()  # the turn is held again
+    second.join(timeout=10)
+    assert taken == ["first", "second"]
+    with turns.aside():  # outside a turn there is nothing to give up
+        other()
+    assert taken[-1] == threading.current_thread().name

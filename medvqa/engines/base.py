@@ -11,8 +11,9 @@ in `engines/__init__.py`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -30,6 +31,10 @@ class EngineRequest:
     # Projected image tokens (1, N, d_l), computed (and cached by the model) only when an engine
     # asks: a prefix cache that already holds the image needs no vision encoder run.
     image_tokens: Callable[[], "object"] | None = None
+    # Entered while the engine waits for work it runs together with other requests (a batching
+    # engine's step loop, a free slot): the pipeline's turn on the model is given up meanwhile
+    # (TurnTaking.aside), so the other requests can reach the engine.
+    waiting: Callable[[], ContextManager] = contextlib.nullcontext
 
     def cache_ids(self, length: int | None = None) -> list[int]:
         """The prompt's ids with every image slot replaced by the image's key, so a cache built on

@@ -9,11 +9,12 @@ which generation continues normally.
 The engine keeps its own prefix cache: each of a few sequences in one context keeps the keys/values of
 a conversation's last prompt and answer, and the next prompt that shares a prefix with one of them
 (the next turn of that conversation) only runs the new tokens. Image positions are keyed by content,
-so a different image never matches.
+so a different image never matches. Concurrent requests are batched continuously (llama_steps.py).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import threading
@@ -25,8 +26,8 @@ import numpy as np
 
 from ..config import DecoderConfig
 from ..language_model import derived_decoder_path
-from .base import Detokenizer, Engine, EngineRequest, log_softmax, sample_next_token, shared_prefix, \
-    stop_token_ids
+from .base import Detokenizer, Engine, EngineRequest, sample_next_token, shared_prefix, stop_token_ids
+from .llama_steps import BATCH_CAPACITY, Generation, Job, Piece, Prefill, Scoring, StepLoop
 
 
 def gguf_file_type(path: str | os.PathLike) -> str:
@@ -94,12 +95,14 @@ class _Slot:
 
 
 class LlamaCppEngine(Engine):
-    """The engine contract on llama.cpp (greedy or sampled, streamed).
+    """The engine contract on llama.cpp (greedy or sampled, streamed), batched continuously.
 
-    One context holds `slots` sequences, each with its own key/value stream. A generation takes the free
+    One context holds `slots` sequences, each with its own key/value stream. A request takes the free
     slot whose cache shares the longest prefix with its prompt (its own conversation's previous turn,
-    if still there) and holds the context lock for one decode call at a time, never across a yield,
-    so concurrent answers interleave token by token.
+    if still there) and hands what is left to run to the step loop (llama_steps.py), which runs every
+    request's work together: one llama_decode a step carries the next token of each answer being
+    generated and chunks of prompts. The caller waits for its results inside `request.waiting`, so a
+    pipeline's turn-taking does not hold other requests back meanwhile.
     """
 
     name = "llama.cpp"
@@ -123,12 +126,14 @@ class LlamaCppEngine(Engine):
             raise RuntimeError(f"llama.cpp could not load the decoder GGUF at {gguf_path}.")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = config.context_window * slots
-        params.n_batch = params.n_ubatch = 512
+        params.n_batch = params.n_ubatch = BATCH_CAPACITY
         params.n_seq_max = slots
         # One key/value stream per slot: a token attends over its own conversation's cells only. In a
         # unified cache attention spans every slot's cells up to the highest in use, so cached
         # conversations slow each other down: decode after five chats measured 89-97 tok/s unified
-        # against 104-109 per slot (llama-bench at the same depth: 103-117).
+        # against 104-109 per slot (llama-bench at the same depth: 103-117). The price: llama.cpp
+        # runs a batch over separate streams in one pass only for consecutive sequence ids, so
+        # answers in slots 0, 1, 2 share a pass and answers in slots 0 and 5 take one each.
         params.kv_unified = False
         params.n_threads = params.n_threads_batch = threads
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
@@ -139,24 +144,27 @@ class LlamaCppEngine(Engine):
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
         self.stop_ids = stop_token_ids(tokenizer, [int(llama_cpp.llama_vocab_eos(vocab)),
                                                    int(llama_cpp.llama_vocab_eot(vocab))])
-        self._tokens = llama_cpp.llama_batch_init(512, 0, 1)
-        self._embeds = llama_cpp.llama_batch_init(512, self.hidden_size, 1)
-        self._memory = llama_cpp.llama_get_memory(self.ctx)
         self._slots = [_Slot(seq_id) for seq_id in range(slots)]
         self._slots_changed = threading.Condition()
-        self._lock = threading.Lock()  # the context: one decode call at a time
+        self.loop = StepLoop(llama_cpp, self.ctx, self.hidden_size, self.n_vocab)
 
-    def __del__(self):
+    def close(self) -> None:
+        """Stop the step loop (pending requests fail) and free the context and the weights."""
+        loop, self.loop = getattr(self, "loop", None), None
+        if loop is not None:
+            loop.close()
         lib = getattr(self, "_lib", None)
         if lib is None:
             return
-        for name in ("_tokens", "_embeds"):
-            if hasattr(self, name):
-                lib.llama_batch_free(getattr(self, name))
         if getattr(self, "ctx", None):
             lib.llama_free(self.ctx)
+            self.ctx = None
         if getattr(self, "model", None):
             lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self):
+        self.close()
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -173,7 +181,7 @@ class LlamaCppEngine(Engine):
 
     def _give_back(self, slot: _Slot) -> None:
         if slot.forget:
-            with self._lock:
+            with self.loop.context_lock:
                 self._drop_keys(slot, slot.forget)
             slot.forget = set()
         with self._slots_changed:
@@ -201,7 +209,7 @@ class LlamaCppEngine(Engine):
                 else:
                     slot.busy = True
         try:
-            with self._lock:
+            with self.loop.context_lock:
                 for slot in idle:
                     self._drop_keys(slot, {key})
         finally:
@@ -214,69 +222,59 @@ class LlamaCppEngine(Engine):
     def _drop_keys(self, slot: _Slot, keys: set[int]) -> None:
         first = next((position for position, key in enumerate(slot.cached) if key in keys), None)
         if first is not None:
-            self._truncate(slot, first)
+            self.loop.truncate(slot, first)
 
-    # --- feeding (call with the lock held) ----------------------------------------------------------
+    # --- requests --------------------------------------------------------------------------------
 
-    def _decode(self, batch, count: int, start: int, seq_id: int, want_logits: bool) -> None:
-        batch.n_tokens = count
-        for i in range(count):
-            batch.pos[i] = start + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq_id
-            batch.logits[i] = int(want_logits and i == count - 1)
-        status = self._lib.llama_decode(self.ctx, batch)
-        if status != 0:
-            raise RuntimeError(f"llama.cpp could not decode the batch (status {status}); "
-                               f"the prompt may exceed the context window of {self.config.context_window}.")
+    def _start(self, request: EngineRequest, job_type, last_logits: bool = True, **job_fields):
+        """A slot for the request (the free one holding most of its prompt; waiting for one outside the
+        caller's turn when all are in use) and the job that runs the rest of its prompt there. The
+        image's projected tokens are asked for only when its positions are not cached."""
+        keyed_ids = request.cache_ids()
+        with self._slots_changed:
+            must_wait = all(slot.busy for slot in self._slots)
+        if must_wait:
+            with request.waiting():
+                slot = self._take_slot(keyed_ids)
+        else:
+            slot = self._take_slot(keyed_ids)
+        try:
+            reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
+            pieces = self._prompt_pieces(request, keyed_ids, reused, last_logits)
+            job = job_type(slot=slot, pieces=pieces, keep=reused, **job_fields)
+        except BaseException:
+            self._give_back(slot)
+            raise
+        return job, reused
 
-    def _feed_tokens(self, slot: _Slot, token_ids: list[int], want_logits: bool) -> None:
-        for offset in range(0, len(token_ids), 512):
-            chunk = token_ids[offset:offset + 512]
-            for i, token in enumerate(chunk):
-                self._tokens.token[i] = token
-            last = offset + len(chunk) == len(token_ids)
-            self._decode(self._tokens, len(chunk), len(slot.cached) + offset, slot.seq_id, want_logits and last)
-
-    def _feed_embeddings(self, slot: _Slot, embeddings: np.ndarray, want_logits: bool) -> None:
-        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)  # (n, d)
-        for offset in range(0, len(embeddings), 512):
-            chunk = embeddings[offset:offset + 512]
-            ctypes.memmove(self._embeds.embd, chunk.ctypes.data, chunk.nbytes)
-            last = offset + len(chunk) == len(embeddings)
-            self._decode(self._embeds, len(chunk), len(slot.cached) + offset, slot.seq_id, want_logits and last)
-
-    def _logits(self) -> np.ndarray:
-        pointer = self._lib.llama_get_logits_ith(self.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
-
-    def _truncate(self, slot: _Slot, length: int) -> None:
-        self._lib.llama_memory_seq_rm(self._memory, slot.seq_id, length, -1)
-        del slot.cached[length:]
-
-    def _prefill(self, slot: _Slot, request: EngineRequest, keyed_ids: list[int]) -> tuple[np.ndarray, int]:
-        """Bring the slot to this prompt, keeping the longest cached prefix; return (logits, reused).
-        The image's projected tokens are asked for only when its positions are not cached."""
+    def _prompt_pieces(self, request: EngineRequest, keyed_ids: list[int], start: int,
+                       last_logits: bool) -> collections.deque:
+        """The prompt from `start` on as pieces of text or image positions."""
         token_ids, image_mask = request.prompt.token_ids, request.prompt.image_mask
-        reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
-        self._truncate(slot, reused)
-        position, image_row = reused, sum(image_mask[:reused])
-        image_tokens = None
+        pieces: collections.deque = collections.deque()
+        position, image_row, image_tokens = start, sum(image_mask[:start]), None
         while position < len(token_ids):
             end, is_image = position, image_mask[position]
             while end < len(token_ids) and image_mask[end] == is_image:
                 end += 1
-            last = end == len(token_ids)
+            piece = Piece(keyed_ids[position:end])
             if is_image:
                 if image_tokens is None:
                     image_tokens = request.image_tokens()[0].float().cpu().numpy()  # (N, d_l)
-                self._feed_embeddings(slot, image_tokens[image_row:image_row + end - position], last)
+                piece.embeddings = image_tokens[image_row:image_row + end - position]
                 image_row += end - position
             else:
-                self._feed_tokens(slot, token_ids[position:end], last)
-            slot.cached += keyed_ids[position:end]
+                piece.tokens = list(token_ids[position:end])
+            pieces.append(piece)
             position = end
-        return self._logits(), reused
+        if pieces and last_logits:
+            pieces[-1].logits = "last"
+        return pieces
+
+    def _finish(self, job: Job) -> None:
+        """Take the job out of the loop (at its next step, if it is still running) and free its slot."""
+        self.loop.cancel(job)
+        self._give_back(job.slot)
 
     # --- the engine contract ---------------------------------------------------------------------
 
@@ -284,58 +282,42 @@ class LlamaCppEngine(Engine):
                timings: dict | None = None, ignore_eos: bool = False) -> Iterator[str]:
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         rng = np.random.default_rng(seed)
-        keyed_ids = request.cache_ids()
-        slot = self._take_slot(keyed_ids)
+        config = self.config
+
+        def sample(logits: np.ndarray) -> int:
+            return sample_next_token(logits, config.temperature, config.top_p, rng)
+
+        job, reused = self._start(request, Generation, sample=sample, max_new_tokens=max_new_tokens,
+                                  stop_ids=frozenset() if ignore_eos else frozenset(self.stop_ids))
         try:
-            with self._lock:
-                logits, reused = self._prefill(slot, request, keyed_ids)
             if timings is not None:
                 timings["reused_tokens"] = reused
+            self.loop.submit(job)
             detokenizer = Detokenizer(self.tokenizer)
-            for step in range(max_new_tokens):
-                token = sample_next_token(logits, self.config.temperature, self.config.top_p, rng)
-                if token in self.stop_ids and not ignore_eos:
-                    break
+            while (token := job.next_token(request.waiting)) is not None:
                 piece = detokenizer.push(token)
                 if piece:
                     yield piece
-                if step == max_new_tokens - 1:
-                    break
-                with self._lock:
-                    self._feed_tokens(slot, [token], True)
-                    slot.cached.append(token)
-                    logits = self._logits()
+            if timings is not None:
+                timings["output_tokens"] = job.generated
         finally:
-            self._give_back(slot)
+            self._finish(job)
 
     def prefill(self, request: EngineRequest) -> int:
-        """Cache the prompt without generating, in the slot holding the longest part of it."""
+        """Cache the prompt without generating, in the slot holding the longest part of it; runs after
+        the answers being generated (llama_steps.WARM_SHARE)."""
         keyed_ids = request.cache_ids()
-        slot = self._take_slot(keyed_ids)
+        job, _ = self._start(request, Prefill, last_logits=False)
         try:
-            with self._lock:
-                self._prefill(slot, request, keyed_ids)
+            self.loop.submit(job).wait(request.waiting)
         finally:
-            self._give_back(slot)
+            self._finish(job)
         return len(keyed_ids)
 
     def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
-        keyed_ids = request.cache_ids()
-        slot = self._take_slot(keyed_ids)
+        job, _ = self._start(request, Scoring, answers=[list(ids) for ids in answers])
         try:
-            with self._lock:
-                logits, _ = self._prefill(slot, request, keyed_ids)
-                first = log_softmax(logits)
-                prompt_length = len(slot.cached)
-                scores = []
-                for ids in answers:
-                    log_probs = [first[ids[0]]]
-                    for index, token in enumerate(ids[:-1]):
-                        self._feed_tokens(slot, [token], True)
-                        slot.cached.append(token)
-                        log_probs.append(log_softmax(self._logits())[ids[index + 1]])
-                    self._truncate(slot, prompt_length)
-                    scores.append(float(np.mean(log_probs)))
+            self.loop.submit(job).wait(request.waiting)
         finally:
-            self._give_back(slot)
-        return scores
+            self._finish(job)
+        return job.scores

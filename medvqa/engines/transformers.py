@@ -62,6 +62,8 @@ class TransformersEngine(Engine):
         end = yield from self.generate(embeds, cache, reused, max_new_tokens=max_new_tokens, seed=seed,
                                        ignore_eos=ignore_eos, generated=generated)
         cache, cache_length = end
+        if timings is not None:
+            timings["output_tokens"] = len(generated)
         # The cache holds every generated token that was fed back: all of them when the answer ended at
         # its end-of-turn token, all but the last when it hit the length limit.
         fed = cache_length - len(keyed)

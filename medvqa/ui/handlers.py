@@ -53,9 +53,11 @@ class _Handlers:
                 source = study.series[0]
             scan = source.render()
         except ScanError as error:
+            self._count_error("scan")
             return (None, *self.viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
         except Exception:  # noqa: BLE001 - the app must keep serving whatever the upload does
             log.exception("upload failed")
+            self._count_error("scan")
             return (None, *self.viewer_unchanged(session, _error_message("The scan could not be opened.")))
         return (None, *self.show(source, scan, study, session))
 
@@ -241,6 +243,7 @@ class _Handlers:
                                                safe_meta=session.scan.safe_meta)
                     continue
                 text = _failure_text(error)
+                self._count_error(_error_kind(error))
                 if not isinstance(error, ValueError):
                     log.exception("answer failed")
                 with session.lock:
@@ -276,6 +279,10 @@ class _Handlers:
                     session.turns.append(answer.record())
                 snapshot = _copy(session.messages)
             yield snapshot
+
+    def _count_error(self, kind: str) -> None:
+        if self.pipeline.metrics is not None:
+            self.pipeline.metrics.error(kind)
 
     def stop(self, session: _Session | None):
         """End the running answer (Gradio cancels its generator); what it said so far is kept."""
@@ -342,6 +349,15 @@ def _is_retrieval_error(error: BaseException) -> bool:
 def _short(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text[:300]
+
+
+def _error_kind(error: BaseException) -> str:
+    """The `kind` label of a failed answer in the metrics (metrics.ERROR_KINDS)."""
+    if isinstance(error, ValueError):
+        return "question"
+    if isinstance(error, MemoryError):
+        return "memory"
+    return "retrieval" if _is_retrieval_error(error) else "model"
 
 
 def _failure_text(error: BaseException) -> str:

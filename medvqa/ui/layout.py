@@ -21,6 +21,7 @@ from ..pipeline import Pipeline
 from .access import AccessGuard
 from ..pacs import Pacs
 from .handlers import _Handlers
+from .metrics_route import MetricsRoute
 from .remote import _PacsHandlers
 from .session import _close_session, _forget_closed_tabs
 from .uploads import UPLOAD_MAX_AGE_S, UploadFolder
@@ -29,7 +30,7 @@ from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
           "wrong. Check every statement against the images and the cited literature; do not use it for "
           "clinical decisions.")
-DEFAULT_CONCURRENCY = 8  # answers generated at once; their decoding steps take turns on the model
+DEFAULT_CONCURRENCY = 8  # answers generated at once (llama.cpp runs their steps in shared batches)
 
 _CSS = """
 #medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; color: #78350f; }
@@ -46,6 +47,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
               concurrency: int = DEFAULT_CONCURRENCY, pacs: Pacs | None = None) -> gr.Blocks:
     """The Blocks app around a loaded pipeline (and, with `pacs`, a panel that opens studies from that
     DICOMweb archive). Launch it with `launch()`."""
+    # Before the Blocks exist: Gradio takes the folder it moves uploads to from GRADIO_TEMP_DIR when
+    # they are made, and the handlers only read uploads from the folder launch() serves.
+    _upload_folder()
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
@@ -170,23 +174,26 @@ def _pacs_panel() -> tuple:
 
 def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, max_upload_mb: float = 100,
            auth: tuple[str, str] | None = None, block: bool = True, quiet: bool = False,
-           upload_max_age_s: float = UPLOAD_MAX_AGE_S):
+           upload_max_age_s: float = UPLOAD_MAX_AGE_S, metrics=None):
     """Serve the app: loopback by default, uploads capped, no run history, telemetry, MCP or SSR.
 
     Every route sits behind `AccessGuard` (the login wall when `auth` is set); uploads go to the
     folder named by GRADIO_TEMP_DIR, or to a private one made here, and a sweeper deletes any file
-    older than `upload_max_age_s` in it while the app serves (`demo.medvqa_uploads`)."""
+    older than `upload_max_age_s` in it while the app serves (`demo.medvqa_uploads`). With `metrics`
+    (a metrics.ServingMetrics) GET /metrics serves them, behind the same wall."""
     uploads = UploadFolder(_upload_folder(), max_age_s=upload_max_age_s)
     demo.medvqa_uploads = uploads
     uploads.start_sweeper(lambda: bool(getattr(demo, "is_running", False)))
-    guard = Middleware(AccessGuard, uploads=uploads, login_required=auth is not None)
+    middleware = [Middleware(AccessGuard, uploads=uploads, login_required=auth is not None)]  # outermost first
+    if metrics is not None:
+        middleware.append(Middleware(MetricsRoute, metrics=metrics))
     try:
         return demo.launch(
             server_name=host, server_port=port, auth=auth, max_file_size=int(max_upload_mb * 2**20),
             prevent_thread_lock=not block, quiet=quiet, show_error=False, ssr_mode=False, pwa=False,
             mcp_server=False, enable_monitoring=False,
             run_history=False,  # would keep every question and answer in the browser's storage
-            footer_links=["api"], css=_CSS, app_kwargs={"middleware": [guard]},
+            footer_links=["api"], css=_CSS, app_kwargs={"middleware": middleware},
         )
     except BaseException:
         uploads.stop()  # it never served: no sweeper left behind
