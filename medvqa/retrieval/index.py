@@ -187,7 +187,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
             raise RetrievalError(f"Internal error: {index.ntotal} vectors for {count} passages.")
         params = dict(plan.params)
         if plan.kind == "ivfpq":  # nprobe and the candidate width, from measured recall on the corpus
-            params.update(tune_ivf(index, vectors))
+            params.update(tune_ivf(index, vectors, trained_on=training_rows(index, count)))
             del vectors
             (staging / SHARD_FILE).rename(staging / VECTORS_FILE)
         else:
@@ -394,12 +394,17 @@ def training_size(index: faiss.Index, count: int) -> int:
     return int(min(count, max(40 * nlist, 50_000)))  # FAISS warns below 39 points a list
 
 
+def training_rows(index: faiss.Index, count: int) -> np.ndarray:
+    """The rows an IVF index is trained on: a fixed random sample, so a resumed build draws the same."""
+    return np.sort(np.random.default_rng(0).choice(count, size=training_size(index, count), replace=False))
+
+
 def _train(index: faiss.Index, store: PassageStore, model, count: int, batch_size: int, progress: bool,
            passage_title: bool = False) -> None:
-    size = training_size(index, count)
     if count < faiss.extract_index_ivf(index).nlist * 4:
         raise RetrievalError(f"{count} passages are too few for IVF-PQ; use --faiss-type flat or hnsw.")
-    rows = np.sort(np.random.default_rng(0).choice(count, size=size, replace=False))
+    rows = training_rows(index, count)
+    size = len(rows)
     vectors = []
     for start in tqdm(range(0, size, 1024), desc="Training IVF-PQ sample", disable=not progress):
         found = store.get(rows[start:start + 1024].tolist())

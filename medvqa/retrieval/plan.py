@@ -59,7 +59,7 @@ def plan_index(count: int, dimension: int, requested: str = "auto", memory_bytes
     if count < FLAT_LIMIT and flat.ram_bytes <= budget:
         latency = FLAT_MS_PER_MILLION * count / 1e6 * dimension / 384
         return _with_reason(flat, f"flat (exact): {count:,} passages < {FLAT_LIMIT:,}, so a query scans them all "
-                                  f"in about {latency:.0f} ms on one thread ({_size(flat)}).")
+                                  f"in about {latency:.1f} ms on one thread ({_size(flat)}).")
     if count < HNSW_LIMIT and hnsw.ram_bytes <= budget:
         return _with_reason(hnsw, f"hnsw: {count:,} passages are too many to scan per query and fewer than "
                                   f"{HNSW_LIMIT:,}; the graph fits the {gib} ({_size(hnsw)}).")
