@@ -178,3 +178,14 @@ def test_interrupted_ivfpq_build_resumes_to_the_same_index(build_script, monkeyp
     assert found and found[0].text == "ultrasound of the kidney showing a cyst."
     reopened = Retriever.open(replace(config, index_name="resumed"))
     assert reopened.search("ultrasound of the kidney showing a cyst", k=3) == found
+
+    # An append keeps the stored vectors and adds the new ones; the index is tuned again.
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({"id": "new1", "text": "Sagittal MRI of the lumbar spine showing a disc herniation.",
+                                 "url": "https://example.org/new1"}) + "\n")
+    assert run_build(build_script, extra, tmp_path, "whole", "--append") == 0
+    stored = np.load(tmp_path / "whole" / VECTORS_FILE)
+    assert stored.shape == (361, 384)
+    assert np.array_equal(stored[:360], np.load(tmp_path / "resumed" / VECTORS_FILE))
+    grown = Retriever.open(config)
+    assert grown.search("MRI of the lumbar spine with a disc herniation", k=1)[0].id == "new1"

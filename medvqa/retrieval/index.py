@@ -320,7 +320,8 @@ def _shard_file(staging: Path, kind: str, manifest, index_dir: Path, start: int,
                                  f"rebuild it with --overwrite.")
         old = np.load(index_dir / VECTORS_FILE, mmap_mode="r")
         for first in range(0, start, SHARD_SIZE):
-            vectors[first:first + SHARD_SIZE] = old[first:min(first + SHARD_SIZE, start)]
+            last = min(first + SHARD_SIZE, start)
+            vectors[first:last] = old[first:last]
     return vectors, 0
 
 
@@ -341,14 +342,16 @@ def _embed_in_shards(index: faiss.Index, vectors: np.ndarray, offset: int, store
             for batch in store.texts(first, batch=1024, titles=passage_title, end=last):
                 rows = [row - offset for row, _ in batch]
                 vectors[rows[0]:rows[-1] + 1] = model.encode([text for _, text in batch], batch_size=batch_size)
+                bar.update(len(batch))
             seconds, fresh = seconds + time.perf_counter() - began, fresh + last - first
             vectors.flush()
             state["embedded"] = embedded = last
             checkpoint.save()
+        else:
+            bar.update(last - first)  # embedded before the interruption
         shard = np.asarray(vectors[first - offset:last - offset], dtype=np.float32)  # (S, d) as stored
         index.add(shard)
         vector_sum += shard.sum(axis=0, dtype=np.float64)
-        bar.update(last - first)
     bar.close()
     if progress and fresh:
         print(f"Embedded {fresh:,} passages in {seconds:.1f} s: {fresh / seconds:,.1f} passages/s on "
