@@ -123,13 +123,13 @@ class RetrievalConfig:
     passage_embedder: str = ""  # passage-side encoder when it differs (MedCPT-Article-Encoder); "" = embedder
     pooling: Literal["auto", "cls", "mean", "max"] = "auto"  # "auto": the model's own; else for plain HF encoders
     device: str = "auto"  # embedder device: "auto" (cuda → mps → cpu), "cpu", "cuda", ...
-    faiss_type: Literal["auto", "flat", "hnsw", "ivfpq"] = "auto"  # "auto": flat < 200k passages, hnsw < 2M, ivfpq above
+    faiss_type: Literal["auto", "flat", "hnsw", "ivfpq"] = "auto"  # "auto": by passage count and memory (retrieval/plan.py)
     candidates: int = 50  # passages each retriever ranks before fusion
     duplicate_cosine: float = 0.97  # passages at least this similar to a better-ranked one are collapsed
     chunk_tokens: int = 200  # longest passage in embedder tokens; longer texts are split
     chunk_overlap: int = 40  # tokens shared by consecutive chunks of one text
     hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
-    ivf_nprobe: int = 32  # IVF lists visited per query (recall vs latency)
+    ivf_nprobe: int = 0  # IVF lists visited per query; 0 = as tuned at build time for recall (the manifest's)
     query_threads: int = 1  # torch/FAISS threads for one query, in the calling thread only (0 = as set)
     # passages in the decoder prompt: always, for open questions only, or never (shown beside the answer)
     prompt_gate: Literal["always", "open", "never"] = "always"

@@ -10,8 +10,12 @@
     python scripts/bench_retrieval.py scale --n 1000000
         Random unit vectors of the embedder's dimension: build time, index bytes, resident memory,
         p50/p99 single-query latency for Flat, HNSW and IVF-PQ, and recall@10 of HNSW and IVF-PQ
-        against Flat (exact). Uniform random vectors have no cluster structure, the hardest case
-        for approximate indexes; `--data clustered` draws them around 1,000 centres instead.
+        against Flat (exact). Each is built as build_index.py builds it (IVF-PQ with float16
+        vectors on disk, nprobe and candidate width tuned for the recall target). Uniform random
+        vectors have no cluster structure, the hardest case for approximate indexes; `--data
+        clustered` draws them around 1,000 centres instead. Then what the index chooser picks at
+        this size and at 15M and 36M passages, and a projection of memory, build time, latency and
+        embedding hours there (on this machine's CPU; per GPU with --gpu-rate).
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--types", default="flat,hnsw,ivfpq")
     scale.add_argument("--data", choices=("uniform", "clustered"), default="uniform")
     scale.add_argument("--seed", type=int, default=0)
+    scale.add_argument("--embed-sample", type=int, default=256,
+                       help="corpus passages to time the embedder on, for the projection (0: skip)")
+    scale.add_argument("--gpu-rate", type=float, default=None,
+                       help="passages/s of a GPU embedding run (build_index.py --device cuda prints it)")
     scale.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     return run_quality(args) if args.command == "quality" else run_scale(args)
@@ -128,7 +136,7 @@ def _built_from(manifest_path: Path, corpus: Path, embedder: str) -> bool:
 def run_scale(args) -> int:
     import faiss
 
-    from medvqa.retrieval.index import new_faiss_index, training_size
+    from medvqa.retrieval.plan import MEMORY_SHARE, machine_memory, plan_index
     from medvqa.retrieval.search import query_threads
 
     config = load_settings().retrieval
@@ -139,51 +147,180 @@ def run_scale(args) -> int:
     print(f"{args.n:,} {args.data} random unit vectors of dimension {dim}; {args.queries} single-vector queries; "
           f"faiss {faiss.__version__}, built on {faiss.omp_get_max_threads()} threads, queried on "
           f"{config.query_threads or faiss.omp_get_max_threads()}", flush=True)
+    sizes = {_label(args.n): args.n} | {_label(n): n for n in PROJECTED_SIZES}
+    budget = int(MEMORY_SHARE * machine_memory())
+    chosen = {label: plan_index(n, dim, memory_bytes=budget) for label, n in sizes.items()}
+    for label, plan in chosen.items():
+        print(f"chooser at {label} passages ({budget / 2**30:.1f} GiB budget): {plan.reason}", flush=True)
 
     truth = None
     rows = []
-    for kind in ["flat"] + [k for k in kinds if k != "flat"]:
-        gc.collect()
-        rss_before = _rss_bytes()
-        started = time.perf_counter()
-        index, params = new_faiss_index(kind, dim, args.n)
-        if kind == "hnsw":
-            index.hnsw.efSearch = config.hnsw_ef_search
-        if not index.is_trained:
-            index.train(blocks.sample(training_size(index, args.n)))
-        for block in blocks:
-            index.add(block)  # (B, d)
-        if kind == "ivfpq":
-            faiss.extract_index_ivf(index).nprobe = config.ivf_nprobe
-        build_s = time.perf_counter() - started
-        rss = _rss_bytes() - rss_before
-        size = _index_bytes(index)
-        latencies, found = [], []
-        with query_threads(config.query_threads):  # as Retriever.search runs them
-            for query in queries:
-                start = time.perf_counter()
-                _, ids = index.search(query[None, :], 10)  # (1, 10)
-                latencies.append(time.perf_counter() - start)
-                found.append(ids[0])
-        if kind == "flat":
-            truth = found
-        recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth)]))
-        row = {"type": kind, "params": params, "build_s": round(build_s, 1), "index_mib": round(size / 2**20, 1),
-               "rss_mib": round(rss / 2**20, 1), "p50_ms": round(float(np.percentile(latencies, 50)) * 1000, 2),
-               "p99_ms": round(float(np.percentile(latencies, 99)) * 1000, 2), "recall@10": round(recall, 4)}
-        rows.append(row)
-        print(f"{kind}: {row}", file=sys.stderr, flush=True)
-        del index
-        if kind == "flat" and "flat" not in kinds:
-            rows.pop()
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind in ["flat"] + [k for k in kinds if k != "flat"]:
+            gc.collect()
+            rss_before = _rss_bytes()
+            started = time.perf_counter()
+            index, params, disk_bytes, phases = _bench_index(kind, dim, args.n, blocks, config, Path(scratch))
+            build_s = time.perf_counter() - started
+            rss = _rss_bytes() - rss_before
+            size = _index_bytes(index.index if hasattr(index, "k_factor") else index)
+            latencies, found = [], []
+            with query_threads(config.query_threads):  # as Retriever.search runs them
+                for query in queries:
+                    start = time.perf_counter()
+                    _, ids = index.search(query[None, :], 10)  # (1, 10)
+                    latencies.append(time.perf_counter() - start)
+                    found.append(ids[0])
+            if kind == "flat":
+                truth = found
+            recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth)]))
+            row = {"type": kind, "params": params, "build_s": round(build_s, 1),
+                   "index_mib": round(size / 2**20, 1), "rss_mib": round(rss / 2**20, 1),
+                   "p50_ms": round(float(np.percentile(latencies, 50)) * 1000, 2),
+                   "p99_ms": round(float(np.percentile(latencies, 99)) * 1000, 2), "recall@10": round(recall, 4),
+                   "disk_mib": round(disk_bytes / 2**20, 1),
+                   "build_phases_s": {phase: round(seconds, 1) for phase, seconds in phases.items()},
+                   "chosen_for": [label for label, plan in chosen.items() if plan.kind == kind]}
+            rows.append(row)
+            print(f"{kind}: {row}", file=sys.stderr, flush=True)
+            del index
+            if kind == "flat" and "flat" not in kinds:
+                rows.pop()
 
-    print(f"{'type':<7}{'build s':>9}{'index MiB':>11}{'RSS MiB':>9}{'p50 ms':>8}{'p99 ms':>8}{'R@10':>7}  params")
+    embed_rate = _embedding_rate(config, args.embed_sample) if args.embed_sample else None
     for row in rows:
-        print(f"{row['type']:<7}{row['build_s']:>9.1f}{row['index_mib']:>11.1f}{row['rss_mib']:>9.1f}"
-              f"{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}{row['recall@10']:>7.3f}  {row['params']}")
+        row["projection"] = _project(row, args.n, dim, budget, embed_rate, args.gpu_rate)
+
+    print(f"{'type':<7}{'build s':>9}{'index MiB':>11}{'disk MiB':>10}{'RSS MiB':>9}{'p50 ms':>8}{'p99 ms':>8}"
+          f"{'R@10':>7}  params")
+    for row in rows:
+        print(f"{row['type']:<7}{row['build_s']:>9.1f}{row['index_mib']:>11.1f}{row['disk_mib']:>10.1f}"
+              f"{row['rss_mib']:>9.1f}{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}{row['recall@10']:>7.3f}"
+              f"  {row['params']}")
+    _print_projection(rows, args.n, embed_rate, args.gpu_rate)
     if args.json:
         print(json.dumps(rows))
     return 0
+
+
+PROJECTED_SIZES = (15_000_000, 36_000_000)  # PMC-15M figure-caption pairs; PubMed's ~36M abstracts
+
+
+def _bench_index(kind: str, dim: int, count: int, blocks: "_Blocks", config, scratch: Path):
+    """Build `kind` over the dataset as build_index does: (searchable index, params, bytes on disk,
+    seconds of each build phase: train, add, tune). ivfpq keeps float16 vectors in a file and is
+    tuned for the recall target on them, as in a build."""
+    import faiss
+
+    from medvqa.retrieval.index import new_faiss_index, training_size
+    from medvqa.retrieval.rerank import RerankedIndex, tune_ivf
+
+    phases = {"train": 0.0, "add": 0.0, "tune": 0.0}
+    started = time.perf_counter()
+    index, params = new_faiss_index(kind, dim, count)
+    if kind == "hnsw":
+        index.hnsw.efSearch = config.hnsw_ef_search
+    if not index.is_trained:
+        index.train(blocks.sample(training_size(index, count)))
+    phases["train"], started = time.perf_counter() - started, time.perf_counter()
+    if kind != "ivfpq":
+        for block in blocks:
+            index.add(block)  # (B, d)
+        phases["add"] = time.perf_counter() - started
+        return index, params, 0, phases
+    vectors = np.lib.format.open_memmap(scratch / "vectors.npy", mode="w+", dtype=np.float16, shape=(count, dim))
+    start = 0
+    for block in blocks:
+        vectors[start:start + len(block)] = block
+        index.add(np.asarray(vectors[start:start + len(block)], dtype=np.float32))  # (B, d) as stored
+        start += len(block)
+    vectors.flush()
+    phases["add"], started = time.perf_counter() - started, time.perf_counter()
+    params.update(tune_ivf(index, vectors, trained_on=np.arange(training_size(index, count))))
+    phases["tune"] = time.perf_counter() - started
+    if config.ivf_nprobe:
+        faiss.extract_index_ivf(index).nprobe = config.ivf_nprobe
+    searchable = RerankedIndex(index, np.load(scratch / "vectors.npy", mmap_mode="r"), params["k_factor"])
+    return searchable, params, vectors.nbytes, phases
+
+
+def _project(row: dict, n: int, dim: int, budget: int, embed_rate: float | None, gpu_rate: float | None) -> dict:
+    """Memory, build time and latency at PROJECTED_SIZES from the measurement at `n` (meaningful from
+    about 1M, where the fixed costs no longer dominate).
+
+    Memory: the chooser's per-vector model (plan.py), scaled by measured / modelled at `n`. Build
+    time, phase by phase: adding x N for flat, x N log N for HNSW (each insertion searches the
+    graph), x N nlist for IVF (each vector meets every list centre; nlist grows as sqrt N); IVF
+    training x nlist^2 (its sample grows with nlist); tuning x N (an exact scan). Latency: flat x N
+    (a full scan), HNSW x log N, IVF x sqrt N (the lists visited grow as N / nlist). Recall is not
+    projected: a build tunes nprobe and the candidate width for the target on its own corpus.
+    """
+    from medvqa.retrieval.plan import ivf_lists, machine_memory, plan_index
+
+    at_n = plan_index(n, dim, row["type"], memory_bytes=0)
+    ram_scale = row["index_mib"] * 2**20 / at_n.ram_bytes if at_n.ram_bytes else 1.0
+    phases = row["build_phases_s"]
+    projected = {}
+    for big in PROJECTED_SIZES:
+        plan = plan_index(big, dim, row["type"], memory_bytes=0)
+        ram, disk = plan.ram_bytes * ram_scale, plan.disk_bytes
+        lists = ivf_lists(big) / ivf_lists(n)
+        add = {"flat": big / n, "hnsw": big * np.log(big) / (n * np.log(n)), "ivfpq": big / n * lists}[row["type"]]
+        build_s = phases["train"] * lists**2 + phases["add"] * add + phases["tune"] * big / n
+        latency = {"flat": big / n, "hnsw": np.log(big) / np.log(n), "ivfpq": np.sqrt(big / n)}[row["type"]]
+        projected[_label(big)] = {
+            "ram_gib": round(ram / 2**30, 1), "disk_gib": round(disk / 2**30, 1),
+            "fits_budget": bool(ram <= budget),
+            "disk_fits_page_cache": bool(disk <= machine_memory() - ram),  # else re-scoring reads the disk
+            "build_h": round(build_s / 3600, 1),
+            "p50_ms": round(row["p50_ms"] * latency, 2), "p99_ms": round(row["p99_ms"] * latency, 2),
+            "embed_cpu_h": round(big / embed_rate / 3600, 1) if embed_rate else None,
+            "embed_gpu_h": round(big / gpu_rate / 3600, 2) if gpu_rate else None}
+    return projected
+
+
+def _print_projection(rows: list[dict], n: int, embed_rate: float | None, gpu_rate: float | None) -> None:
+    rate = f"embedding at {embed_rate:,.1f} passages/s here" if embed_rate else "embedding not measured"
+    gpu = f", {gpu_rate:,.0f}/s on the GPU given" if gpu_rate else ""
+    print(f"projection from {_label(n)} ({rate}{gpu}; recall is tuned per build, not projected):")
+    print(f"{'type':<7}{'size':>6}{'RAM GiB':>9}{'fits':>6}{'disk GiB':>10}{'cached':>8}{'build h':>10}"
+          f"{'p50 ms':>10}{'p99 ms':>10}{'embed h':>10}{'GPU h':>8}  chooser")
+    for row in rows:
+        for label, p in row["projection"].items():
+            print(f"{row['type']:<7}{label:>6}{p['ram_gib']:>9,.1f}{_yes(p['fits_budget']):>6}{p['disk_gib']:>10,.1f}"
+                  f"{_yes(p['disk_fits_page_cache']) if p['disk_gib'] else '':>8}{p['build_h']:>10,.1f}"
+                  f"{p['p50_ms']:>10,.2f}{p['p99_ms']:>10,.2f}{_hours(p['embed_cpu_h']):>10}"
+                  f"{_hours(p['embed_gpu_h']):>8}"
+                  f"  {'picks' if label in row['chosen_for'] else ''}")
+
+
+def _embedding_rate(config, sample: int) -> float:
+    """Passages a second the configured embedder encodes on this machine, on corpus passages."""
+    from medvqa.retrieval.embed import load_embedder
+
+    texts = []
+    corpus = Path(config.corpus[0]) if config.corpus else None
+    if corpus and corpus.is_file():
+        with open(corpus) as lines:
+            texts = [json.loads(line)["text"] for line, _ in zip(lines, range(sample))]
+    texts = texts or [f"Passage {i} about a chest radiograph with a pleural effusion." for i in range(sample)]
+    model = load_embedder(config.embedder, device=config.device, pooling=config.pooling, normalize=config.normalize)
+    model.encode(texts[:8])  # warm-up
+    started = time.perf_counter()
+    model.encode(texts, batch_size=64)
+    return len(texts) / (time.perf_counter() - started)
+
+
+def _label(count: int) -> str:
+    return f"{count / 1e6:g}M" if count >= 1_000_000 else f"{count / 1e3:g}k"
+
+
+def _hours(value) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
 
 
 class _Blocks:

@@ -32,6 +32,7 @@ from medvqa.retrieval.embed import Embedder, load_embedder
 from medvqa.retrieval.errors import RetrievalError
 from medvqa.retrieval.index import (BM25_DIR, FAISS_FILE, FORMAT_VERSION, STORE_FILE, check_embedder,
                                     load_vector_sum, read_manifest)
+from medvqa.retrieval.rerank import VECTORS_FILE, RerankedIndex
 from medvqa.retrieval.sanitize import sanitize_query
 from medvqa.retrieval.store import PassageStore
 
@@ -62,7 +63,7 @@ class Ranking:
 class Retriever:
     """An opened index. Safe to share between threads: every stateful part sits behind a lock."""
 
-    def __init__(self, config: RetrievalConfig, index_dir: Path, manifest: dict, index: faiss.Index,
+    def __init__(self, config: RetrievalConfig, index_dir: Path, manifest: dict, index: faiss.Index | RerankedIndex,
                  sparse: SparseIndex, store: PassageStore, embedder: Embedder):
         self.config = config
         self.index_dir = index_dir
@@ -99,8 +100,7 @@ class Retriever:
         if embedder.dimension != manifest["dimension"]:
             raise RetrievalError(f"The embedder {config.embedder!r} gives {embedder.dimension}-dim vectors but the "
                                  f"index at {index_dir} holds {manifest['dimension']}-dim ones.")
-        index = faiss.read_index(str(index_dir / FAISS_FILE))
-        _set_search_params(index, manifest["faiss_type"], config)
+        index = _open_faiss(index_dir, manifest, config)
         store = PassageStore(index_dir / STORE_FILE, read_only=True)
         sparse = SparseIndex.load(index_dir / BM25_DIR)
         counts = {"manifest": manifest["count"], "faiss": index.ntotal, "bm25": sparse.num_docs, "store": len(store)}
@@ -249,13 +249,22 @@ def enrich_query(question: str, safe_meta: dict[str, str] | None) -> str:
     return f"{question} [{extra}]" if extra else question
 
 
-def _set_search_params(index: faiss.Index, kind: str, config: RetrievalConfig) -> None:
+IVF_NPROBE_UNTUNED = 32  # an ivfpq index built before tuning recorded its nprobe
+
+
+def _open_faiss(index_dir: Path, manifest: dict, config: RetrievalConfig) -> faiss.Index | RerankedIndex:
+    """The FAISS index with its search parameters; ivfpq with its float16 vectors for re-scoring."""
+    index = faiss.read_index(str(index_dir / FAISS_FILE))
+    kind, params = manifest["faiss_type"], manifest.get("faiss_params", {})
     if kind == "hnsw":
         index.hnsw.efSearch = max(config.hnsw_ef_search, config.candidates)
     elif kind == "ivfpq":
-        ivf = faiss.extract_index_ivf(index)
-        ivf.nprobe = config.ivf_nprobe
-        ivf.make_direct_map()  # reconstruct() by row, for the relevance cut and de-duplication
+        # nprobe as tuned at build time for the recall target (the setting overrides it when > 0)
+        faiss.extract_index_ivf(index).nprobe = config.ivf_nprobe or params.get("nprobe", IVF_NPROBE_UNTUNED)
+        if (index_dir / VECTORS_FILE).is_file():
+            return RerankedIndex.open(index, index_dir, params.get("k_factor", 1))
+        faiss.extract_index_ivf(index).make_direct_map()  # an older index: reconstruct() from the PQ codes
+    return index
 
 
 THRESHOLDS = ("min_dense_score", "min_topic_score", "strong_match_score", "relevance_margin")

@@ -69,15 +69,23 @@ class PassageStore:
                                      [int(r) for r in rows]).fetchall()
         return {record[0]: _as_dict(record) for record in found}
 
-    def texts(self, start: int = 0, batch: int = 4096, titles: bool = False) -> Iterator[list[tuple]]:
-        """(row, text) in row order from `start`, `batch` at a time (for embedding and BM25); with
-        `titles`, (row, (title, text)) for an embedder that reads [title, text] pairs."""
+    def truncate(self, row: int) -> None:
+        """Delete every passage from `row` on (what an interrupted build had not finished)."""
+        with self._lock:
+            self._db.execute("DELETE FROM passages WHERE row >= ?", (row,))
+            self._db.commit()
+
+    def texts(self, start: int = 0, batch: int = 4096, titles: bool = False,
+              end: int | None = None) -> Iterator[list[tuple]]:
+        """(row, text) in row order from `start` (up to `end`), `batch` at a time (for embedding and
+        BM25); with `titles`, (row, (title, text)) for an embedder that reads [title, text] pairs."""
         columns = "row, title, text" if titles else "row, text"
+        end = 2**62 if end is None else end
         while True:
             with self._lock:
                 found = self._db.execute(
-                    f"SELECT {columns} FROM passages WHERE row >= ? ORDER BY row LIMIT ?",
-                    (start, batch)).fetchall()
+                    f"SELECT {columns} FROM passages WHERE row >= ? AND row < ? ORDER BY row LIMIT ?",
+                    (start, end, batch)).fetchall()
             if titles:
                 found = [(row, (title or "", text)) for row, title, text in found]
             if not found:
