@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def test_llama_cpp_streams_reuses_the_prefix_and_answers_closed_questions(pipeli
     assert isinstance(first, Done) and first.answer
     assert second.timings["reused_tokens"] > first.timings["prompt_tokens"] // 2
     answer, _ = llama.answer(_image(2), "Is there a pleural effusion?", use_retrieval=False, constrained=True)
-    assert answer in ("Yes", "No")
+    # The shipped calibration says "Uncertain" below its threshold, with the option it leans to.
+    assert answer in ("Yes", "No") or re.match(r"Uncertain — .*leans to (Yes|No)", answer), answer
 
 
 def test_warming_the_next_turn_keeps_the_answer_and_shortens_the_prefill(pipelines):
