@@ -212,8 +212,13 @@ def test_confidence_support_marks_and_image_reliance_in_the_browser(page, ui_pip
         page.locator("#medvqa-question textarea").fill(question)
         page.click("#medvqa-ask")
         reply = page.locator(LAST_REPLY)
+        try:  # the last reply is the new one only once it holds the text expected
+            page.wait_for_function("([sel, text]) => { const el = document.querySelectorAll(sel); "
+                                   "return el.length && el[el.length - 1].innerText.includes(text); }",
+                                   arg=["#medvqa-chat [data-testid='bot']", expected], timeout=120_000)
+        except Exception:  # noqa: BLE001 - fail with what the page shows instead
+            pytest.fail(f"no reply with {expected!r}; the last reply reads {reply.inner_text()!r}")
         reply.locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
-        assert expected in reply.inner_text(), reply.inner_text()
         return reply
 
     uncertain = ask("Is the heart enlarged?", "Not answered")
