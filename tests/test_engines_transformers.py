@@ -105,3 +105,94 @@ def test_fast_decode_keeps_the_answers_and_the_weights(tiny_pipeline):
     finally:
         engine.fast_step = step
     assert fast == slow
+
+
+def test_batched_step_gives_each_conversation_its_own_step(tiny_pipeline):
+    """One batched step over conversations with caches of different lengths (cpu_fast.batch) equals
+    each conversation's one-token step alone: logits and the caches they leave."""
+    import copy
+
+    engine, decoder = tiny_pipeline.engine, tiny_pipeline.engine.language_model
+    prompts = [list(range(3, 3 + length)) for length in (4, 11, 7)]
+    caches = [engine.forward_embeds(decoder.embed(ids))[1] for ids in prompts]
+    alone_caches = [copy.deepcopy(cache) for cache in caches]
+    tokens, positions = [21, 8, 40], [len(ids) for ids in prompts]
+    alone = torch.cat([engine.fast_step(decoder.embed([token]), cache, position)
+                       for token, cache, position in zip(tokens, alone_caches, positions)])
+    batched = engine.fast_step.batch(decoder.embed(tokens)[0], caches, positions)
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
+    for ours, theirs in zip(caches, alone_caches):
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        for mine, reference in zip(ours.layers, theirs.layers):
+            torch.testing.assert_close(mine.keys, reference.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(mine.values, reference.values, atol=1e-5, rtol=1e-4)
+
+
+def test_concurrent_answers_share_steps_and_keep_their_tokens(tiny_pipeline):
+    """Answers generated at the same time are batched (torch_steps.py) and each is, token for token,
+    the answer it gets alone (greedy); an option scoring and a warming in between change nothing."""
+    import threading
+
+    engine, decoder = tiny_pipeline.engine, tiny_pipeline.engine.language_model
+    assert engine.batcher is not None  # decoder.batch_decode "auto" on CPU
+    prompts = [decoder.embed(list(range(start, start + 5 + start % 7))) for start in (3, 17, 40, 61)]
+
+    def answer(prompt, out=None, index=0):
+        generated = []
+        text = "".join(engine.generate(prompt, max_new_tokens=16, ignore_eos=True, generated=generated))
+        if out is not None:
+            out[index] = (text, generated)
+        return text, generated
+
+    alone = [answer(prompt) for prompt in prompts]
+    before = engine.batcher.batches
+    together: list = [None] * len(prompts)
+    threads = [threading.Thread(target=answer, args=(prompt, together, index)) for index, prompt in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    scored = tiny_pipeline.option_scores(_image(5), tiny_pipeline.prompts.build("Is it normal?"), ["Yes", "No"])
+    for thread in threads:
+        thread.join(timeout=60)
+    assert together == alone
+    assert engine.batcher.batches > before  # some steps carried several answers
+    assert len(scored) == 2 and all(np.isfinite(scored))
+
+
+def test_concurrent_conversations_through_the_pipeline_are_answered_as_alone(tiny_pipeline):
+    """Four conversations asking at once through the pipeline (its turn given up while an answer
+    waits for the batcher) get the answers they get one at a time."""
+    import threading
+
+    def ask(index, out):
+        conversation = Conversation(image=_image(30 + index))
+        events = list(tiny_pipeline.ask(conversation, f"What is shown in view {index}?", max_new_tokens=10,
+                                        constrained=False, warm=False))
+        out[index] = "".join(event.text for event in events if isinstance(event, Token))
+        tiny_pipeline.end_conversation(conversation)
+
+    alone: dict = {}
+    for index in range(4):
+        ask(index, alone)
+    together: dict = {}
+    threads = [threading.Thread(target=ask, args=(index, together)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert together == alone and all(alone.values())
+
+
+def test_batch_decode_setting(tiny_settings):
+    """decoder.batch_decode "off" keeps the engine on the caller's thread, one step at a time."""
+    import dataclasses
+
+    from medvqa.engines.transformers import batch_decode_on
+    from medvqa.pipeline import Pipeline
+
+    assert batch_decode_on("on", "cpu") and not batch_decode_on("off", "cuda") and batch_decode_on("auto", "cuda")
+    settings = dataclasses.replace(tiny_settings, decoder=dataclasses.replace(tiny_settings.decoder, batch_decode="off"))
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    assert pipeline.engine.batcher is None
+    conversation = Conversation(image=_image(2))
+    events = list(pipeline.ask(conversation, "What is shown?", max_new_tokens=4, constrained=False, warm=False))
+    assert isinstance(events[-1], Done)

@@ -63,9 +63,10 @@ class LlamaDecodeStep:
         self.intermediate = self.layers[0].gate_up.shape[1] // 2 if self.layers else 0
 
     @classmethod
-    def build(cls, model: nn.Module) -> "LlamaDecodeStep | None":
+    def build(cls, model: nn.Module, any_device: bool = False) -> "LlamaDecodeStep | None":
         """The fast step for `model`, or None where it does not apply (another architecture, biases,
-        a device other than the CPU, quantised weights): the caller then uses the full forward."""
+        a device other than the CPU, quantised weights): the caller then uses the full forward.
+        `any_device` allows any device and floating dtype (the batched step, `batch`, on CUDA)."""
         config = model.config
         if getattr(config, "model_type", "") not in SUPPORTED_MODEL_TYPES:
             return None
@@ -76,7 +77,12 @@ class LlamaDecodeStep:
         if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
             return None
         parameters = list(model.parameters())
-        if not parameters or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in parameters):
+        if not parameters:
+            return None
+        if any_device:
+            if any(not p.dtype.is_floating_point for p in parameters):
+                return None
+        elif any(p.device.type != "cpu" or p.dtype != torch.float32 for p in parameters):
             return None
         if getattr(model, "hf_quantizer", None) is not None:
             return None
@@ -117,6 +123,44 @@ class LlamaDecodeStep:
             x = x + _gemv(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:], layer.down, parts)
         x = F.rms_norm(x[-1:], (self.hidden,), self.final_norm, self.eps)  # logits of the last token only
         return _gemv(x, self.head, torch.get_num_threads()).float()
+
+
+    @torch.inference_mode()
+    def batch(self, embeddings: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
+        """Logits (N, V) for one more token in each of N conversations: row i of `embeddings` (N, d)
+        is the next token of the conversation whose DynamicCache is `caches[i]`, at `positions[i]`.
+
+        The products run once for all N rows (one read of the weights for N tokens: where batching
+        pays); attention runs per conversation over its own cache, whatever its length, so each
+        cache stays the conversation's own and nothing is padded. Row i equals the one-token step on
+        its own up to summation order (tests/test_engines_transformers.py)."""
+        count = len(caches)
+        x = embeddings.reshape(count, self.hidden)
+        position_ids = torch.tensor([positions], device=x.device)  # (1, N): one position per row
+        cos, sin = self.rotary(x.unsqueeze(0), position_ids)  # (1, N, head_dim)
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # (N, 1, head_dim): broadcast over heads
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+            qkv = torch.mm(h, layer.qkv)
+            q = qkv[:, :q_width].view(count, self.heads, self.head_dim)
+            k = qkv[:, q_width:q_width + kv_width].view(count, self.kv_heads, self.head_dim)
+            v = qkv[:, q_width + kv_width:].view(count, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            rows = []
+            for row, cache in enumerate(caches):  # (1, heads, 1, head_dim) per conversation
+                keys, values = _append(cache.layers[index], k[row].unsqueeze(0).unsqueeze(2),
+                                       v[row].unsqueeze(0).unsqueeze(2))
+                rows.append(F.scaled_dot_product_attention(
+                    q[row].unsqueeze(0).unsqueeze(2), keys, values, scale=self.scaling,
+                    enable_gqa=self.kv_heads != self.heads).reshape(1, q_width))
+            x = x + torch.mm(torch.cat(rows), layer.o)
+            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            gate_up = torch.mm(h, layer.gate_up)
+            x = x + torch.mm(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:], layer.down)
+        x = F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)
+        return torch.mm(x, self.head).float()
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:

@@ -8,12 +8,16 @@ The engine owns its prefix cache: per conversation, the keys/values of its last 
 (bounded, least recently used first out). The next prompt of that conversation runs only what
 differs; image positions are keyed by content, so other pixels never match. On CPU, Llama-family
 decoders take the fused decode step of cpu_fast.py.
+
+With `decoder.batch_decode` on, one thread runs the decoder for every conversation and batches their
+decode steps (torch_steps.py): N answers being generated take one pass over the weights a token.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +29,7 @@ from ..model import embed_prompt
 from .base import Detokenizer, Engine, EngineRequest, log_softmax, sample_next_token, shared_prefix, \
     stop_token_ids
 from .cpu_fast import LlamaDecodeStep
+from .torch_steps import PREFILL_CHUNK, StepBatcher
 
 
 @dataclass
@@ -48,6 +53,15 @@ class TransformersEngine(Engine):
         # Prefill and decoded tokens on CPU skip the transformers forward's overhead (cpu_fast.py).
         self.fast_step = LlamaDecodeStep.build(model) if config.cpu_fast_decode else None
         self.prefixes = LRU(prefix_cache_size)
+        self.batcher = None
+        batched = self.fast_step or LlamaDecodeStep.build(model, any_device=True)
+        if batched is not None and batch_decode_on(config.batch_decode, language_model.device):
+            self.batcher = StepBatcher(self._step, batched.batch)
+
+    def close(self) -> None:
+        batcher, self.batcher = self.batcher, None
+        if batcher is not None:
+            batcher.close()
 
     # --- the engine contract ------------------------------------------------------------------------
 
@@ -60,7 +74,7 @@ class TransformersEngine(Engine):
         embeds = self._embeds(request)[:, reused:]
         generated: list[int] = []
         end = yield from self.generate(embeds, cache, reused, max_new_tokens=max_new_tokens, seed=seed,
-                                       ignore_eos=ignore_eos, generated=generated)
+                                       ignore_eos=ignore_eos, generated=generated, waiting=request.waiting)
         cache, cache_length = end
         if timings is not None:
             timings["output_tokens"] = len(generated)
@@ -77,30 +91,33 @@ class TransformersEngine(Engine):
         # kept; a request of no conversation is scored from scratch.
         cache, reused = self._reusable_prefix(request.conversation_id, keyed) if request.conversation_id else (None, 0)
         embeds = self._embeds(request)[:, reused:]
-        with torch.inference_mode():
-            logits, cache = self.forward_embeds(embeds, cache, reused)
-            first = log_softmax(logits[0].cpu().numpy())
-            prompt_length = len(keyed)
-            scores = []
-            for ids in answers:
-                log_probs = [first[ids[0]]]
-                if len(ids) > 1:
-                    positions = torch.arange(prompt_length, prompt_length + len(ids) - 1,
-                                             device=self.language_model.device).unsqueeze(0)
-                    out = self.language_model.model(inputs_embeds=self.language_model.embed(ids[:-1]), cache=cache,
-                                                    position_ids=positions, use_cache=True)
-                    cache.crop(1 - len(ids))  # back to the prompt for the next answer
-                    step_log_probs = torch.log_softmax(out.logits[0].float(), -1)  # (len-1, V)
-                    log_probs += [step_log_probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
-                scores.append(float(sum(log_probs) / len(log_probs)))
+        logits, cache = self.run_prompt(embeds, cache, reused, request.waiting)
+        first = log_softmax(logits[0].cpu().numpy())
+        scores = self._run(lambda: self._score(first, cache, len(keyed), answers), request.waiting)
         if request.conversation_id:
             self.prefixes.put(request.conversation_id, _Prefix(keyed, cache))
+        return scores
+
+    @torch.inference_mode()
+    def _score(self, first: np.ndarray, cache, prompt_length: int, answers: list[list[int]]) -> list[float]:
+        scores = []
+        for ids in answers:
+            log_probs = [first[ids[0]]]
+            if len(ids) > 1:
+                positions = torch.arange(prompt_length, prompt_length + len(ids) - 1,
+                                         device=self.language_model.device).unsqueeze(0)
+                out = self.language_model.model(inputs_embeds=self.language_model.embed(ids[:-1]), cache=cache,
+                                                position_ids=positions, use_cache=True)
+                cache.crop(1 - len(ids))  # back to the prompt for the next answer
+                step_log_probs = torch.log_softmax(out.logits[0].float(), -1)  # (len-1, V)
+                log_probs += [step_log_probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+            scores.append(float(sum(log_probs) / len(log_probs)))
         return scores
 
     def prefill(self, request: EngineRequest) -> int:
         keyed = request.cache_ids()
         cache, reused = self._reusable_prefix(request.conversation_id, keyed)
-        _, cache = self.forward_embeds(self._embeds(request)[:, reused:], cache, reused)
+        _, cache = self.run_prompt(self._embeds(request)[:, reused:], cache, reused, request.waiting, urgency=2)
         self.prefixes.put(request.conversation_id, _Prefix(keyed, cache))
         return len(keyed)
 
@@ -125,31 +142,57 @@ class TransformersEngine(Engine):
                     logits_to_keep=1)
         return out.logits[:, -1].float(), out.cache
 
+    def run_prompt(self, inputs_embeds: torch.Tensor, cache=None, cache_length: int = 0,
+                   waiting: Callable[[], ContextManager] = contextlib.nullcontext, urgency: int = 1):
+        """forward_embeds for a prompt; with batching, on the batcher's thread in chunks of
+        PREFILL_CHUNK positions, between the steps of the answers being generated."""
+        if self.batcher is None:
+            return self.forward_embeds(inputs_embeds, cache, cache_length)
+        logits = None
+        for start in range(0, inputs_embeds.shape[1], PREFILL_CHUNK):
+            chunk = inputs_embeds[:, start:start + PREFILL_CHUNK]
+            logits, cache = self.batcher.call(lambda: self.forward_embeds(chunk, cache, cache_length + start),
+                                              waiting, urgency)
+        return logits, cache
+
+    def _run(self, run: Callable[[], object], waiting: Callable[[], ContextManager]):
+        return run() if self.batcher is None else self.batcher.call(run, waiting)
+
+    def _step(self, embedding: torch.Tensor, cache, position: int) -> torch.Tensor:
+        """Logits (1, V) after one more token (the cache is extended by it)."""
+        return self.forward_embeds(embedding, cache, position)[0]
+
     def generate(self, inputs_embeds: torch.Tensor, cache=None, cache_length: int = 0, *,
                  max_new_tokens: int | None = None, seed: int = 0, ignore_eos: bool = False,
-                 generated: list[int] | None = None):
+                 generated: list[int] | None = None, waiting: Callable[[], ContextManager] = contextlib.nullcontext):
         """Generate after the prompt `inputs_embeds`, yielding printable text pieces; the generated ids
         are appended to `generated`. Returns (as the generator's value) the cache and the number of
-        tokens it covers: the prompt and every generated token but the last."""
+        tokens it covers: the prompt and every generated token but the last. With batching, each
+        decode step joins the other answers' (waiting inside `waiting`)."""
         config = self.config
         max_new_tokens = config.max_new_tokens if max_new_tokens is None else max_new_tokens
         rng = np.random.default_rng(seed)
         generated = generated if generated is not None else []
         detokenizer = Detokenizer(self.tokenizer)
-        logits, cache = self.forward_embeds(inputs_embeds, cache, cache_length)
+        logits, cache = self.run_prompt(inputs_embeds, cache, cache_length, waiting)
         cache_length += inputs_embeds.shape[1]
-        for step in range(max_new_tokens):
-            token = sample_next_token(logits[0].cpu().numpy(), config.temperature, config.top_p, rng)
-            if token in self.stop_ids and not ignore_eos:
-                break
-            generated.append(token)
-            piece = detokenizer.push(token)
-            if piece:
-                yield piece
-            if step == max_new_tokens - 1:
-                break
-            logits, cache = self.forward_embeds(self.language_model.embed([token]), cache, cache_length)
-            cache_length += 1
+        with self.batcher.generating() if self.batcher is not None else contextlib.nullcontext():
+            for step in range(max_new_tokens):
+                token = sample_next_token(logits[0].cpu().numpy(), config.temperature, config.top_p, rng)
+                if token in self.stop_ids and not ignore_eos:
+                    break
+                generated.append(token)
+                piece = detokenizer.push(token)
+                if piece:
+                    yield piece
+                if step == max_new_tokens - 1:
+                    break
+                embedding = self.language_model.embed([token])
+                if self.batcher is None:
+                    logits = self._step(embedding, cache, cache_length)
+                else:
+                    logits = self.batcher.step(embedding, cache, cache_length, waiting)
+                cache_length += 1
         return cache, cache_length
 
     # --- prompts and caches -------------------------------------------------------------------------
@@ -171,3 +214,14 @@ class TransformersEngine(Engine):
         self.prefixes.pop(conversation_id)  # the cache is extended in place from here on
         state.cache.crop(shared - len(state.ids))  # a negative count removes that many tokens
         return state.cache, shared
+
+
+def batch_decode_on(setting: str, device) -> bool:
+    """decoder.batch_decode: "on", "off", or "auto" (on for CUDA and MPS; on CPU as measured in
+    docs/performance.md, "Under load")."""
+    if setting in ("on", "off"):
+        return setting == "on"
+    return torch.device(device).type != "cpu" or CPU_BATCH_DECODE
+
+
+CPU_BATCH_DECODE = True  # "auto" on CPU (measured: docs/performance.md)
