@@ -18,6 +18,8 @@ from medvqa.engines.openai import OpenAIEngine, RemoteError
 class StandIn(BaseHTTPRequestHandler):
     mode = "ok"
     seen: list = []
+    lock = threading.Lock()
+    open_now = most_open = 0  # requests being answered now, and the most at once
 
     def log_message(self, *args):  # keep test output quiet
         pass
@@ -25,6 +27,16 @@ class StandIn(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         StandIn.seen.append(body)
+        with StandIn.lock:
+            StandIn.open_now += 1
+            StandIn.most_open = max(StandIn.most_open, StandIn.open_now)
+        try:
+            self._answer()
+        finally:
+            with StandIn.lock:
+                StandIn.open_now -= 1
+
+    def _answer(self):
         if StandIn.mode == "error":
             self.send_response(500)
             self.end_headers()
@@ -36,6 +48,10 @@ class StandIn(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        if StandIn.mode == "overlap":  # hold the answer until another request comes (5 s at most)
+            deadline = time.monotonic() + 5
+            while StandIn.most_open < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
         for piece in ["There is ", "a small ", "left effusion [1]."]:
             event = {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -48,7 +64,7 @@ def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    StandIn.mode, StandIn.seen = "ok", []
+    StandIn.mode, StandIn.seen, StandIn.open_now, StandIn.most_open = "ok", [], 0, 0
     yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     httpd.shutdown()
 
@@ -76,6 +92,28 @@ def test_pipeline_streams_from_the_server_with_image_and_prompt(server):
     user = request["messages"][-1]["content"]
     assert user[0]["type"] == "image_url" and user[0]["image_url"]["url"].startswith("data:image/png;base64,")
     assert "Is there an effusion?" in user[1]["text"] and "<image>" not in user[1]["text"]
+
+
+def test_a_streaming_answer_does_not_hold_other_conversations_back(server):
+    """While one answer streams from the server, the pipeline's turn is given up: a second
+    conversation's request reaches the server before the first answer ends (the server holds the
+    first answer until then), and both answers arrive whole."""
+    pipeline = Pipeline.load(_settings(server))
+    StandIn.mode = "overlap"
+    answers: dict = {}
+
+    def ask(index):
+        image = np.full((30, 50, 3), 60 * index, dtype=np.uint8)
+        events = list(pipeline.ask(Conversation(image=image), f"Is there an effusion in view {index}?"))
+        answers[index] = events[-1].answer
+
+    threads = [threading.Thread(target=ask, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert StandIn.most_open == 2
+    assert answers == {0: "There is a small left effusion [1].", 1: "There is a small left effusion [1]."}
 
 
 def test_server_error_and_timeout_and_unreachable_are_clear(server):

@@ -8,10 +8,11 @@ passages included. Citations still come from our own retrieval, never from the s
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import httpx
 import numpy as np
@@ -77,10 +78,13 @@ class OpenAIEngine(Engine):
 
     def stream(self, request: EngineRequest, *, max_new_tokens: int | None = None, seed: int = 0,
                timings: dict | None = None, ignore_eos: bool = False) -> Iterator[str]:
-        yield from self.stream_messages(request.prompt.messages, request.image, max_new_tokens)
+        yield from self.stream_messages(request.prompt.messages, request.image, max_new_tokens, request.waiting)
 
-    def stream_messages(self, messages: list[dict], image: np.ndarray,
-                        max_new_tokens: int | None = None) -> Iterator[str]:
+    def stream_messages(self, messages: list[dict], image: np.ndarray, max_new_tokens: int | None = None,
+                        waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[str]:
+        """The server's answer, streamed. Every wait on the network (the connection, each event) is
+        inside `waiting`: the pipeline's turn is given up, so other conversations' requests reach the
+        server meanwhile and it batches them."""
         body = {
             "model": self.config.remote_model or self.config.name_or_path,
             "messages": to_openai_messages(messages, image, self.pad_fill),
@@ -91,11 +95,19 @@ class OpenAIEngine(Engine):
         }
         where = self.config.base_url
         try:
-            with self.client.stream("POST", "/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    detail = response.read().decode("utf-8", "replace")[:300]
-                    raise RemoteError(f"The model server at {where} answered HTTP {response.status_code}: {detail}")
-                for line in response.iter_lines():
+            with contextlib.ExitStack() as stack:
+                with waiting():
+                    response = stack.enter_context(self.client.stream("POST", "/chat/completions", json=body))
+                    if response.status_code != 200:
+                        detail = response.read().decode("utf-8", "replace")[:300]
+                        raise RemoteError(f"The model server at {where} answered HTTP {response.status_code}: "
+                                          f"{detail}")
+                lines = response.iter_lines()
+                while True:
+                    with waiting():
+                        line = next(lines, None)
+                    if line is None:
+                        return
                     if not line.startswith("data:"):
                         continue
                     data = line[len("data:"):].strip()
