@@ -38,3 +38,26 @@ def test_level_figures_from_session_results():
     line = bench.level_line(2, summary)
     assert line.startswith("clients=2 answers=3 errors=0 mixups=0 ttft_p50_s=0.80 ")
     assert line.endswith("tokens_per_s=5.0 goodput=0.67")
+
+
+def test_the_curve_plot_draws_each_run_in_each_panel(tmp_path):
+    """scripts/plot_load_curve.py reads bench_app.py's level lines (other lines ignored) and draws
+    one line per run in each of its three panels."""
+    import xml.etree.ElementTree as ElementTree
+
+    plot = load_script("plot_load_curve")
+    runs = []
+    for name, scale in (("before", 1.0), ("after", 0.5)):
+        lines = ["starting app.py --profile offline"] + [
+            f"clients={n} answers={2 * n} errors=0 mixups=0 ttft_p50_s={0.1 * n * scale:.2f} "
+            f"ttft_p95_s={0.2 * n * scale:.2f} tpot_p50_ms={20 * n * scale:.1f} tpot_p95_ms=nan e2e_p50_s=1.00 "
+            f"tokens_per_s={10 * n / scale:.1f} goodput=0.50" for n in (1, 2, 4, 8)]
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n")
+        runs.append(f"{name}={tmp_path / f'{name}.txt'}")
+    output = tmp_path / "curve.svg"
+    assert plot.main([*runs, "-o", str(output), "--title", "load <curve>"]) == 0
+    root = ElementTree.parse(output).getroot()  # well-formed, the title escaped
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 3 * 2 and all(len(line.get("points").split()) == 4 for line in lines)
+    texts = {text.text for text in root.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"before", "after", "load <curve>", "8"} <= texts
