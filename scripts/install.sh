@@ -46,7 +46,7 @@ if [ "${MEDVQA_NO_LLAMA:-0}" != 1 ] && ! python -c "import llama_cpp" 2>/dev/nul
       python -m pip wheel --progress-bar off --no-cache-dir --no-deps -w "$LLAMA_WHEELS" -r requirements-llama.txt \
         >/dev/null || echo "llama-cpp-python did not build." >&2
     fi
-    LLAMA_SOURCE=$(ls "$LLAMA_WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1)
+    LLAMA_SOURCE=$(ls "$LLAMA_WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
   else
     echo "Installing llama-cpp-python: it compiles llama.cpp, about 15 minutes on 2 cores the first time"
     LLAMA_SOURCE="-r requirements-llama.txt"
