@@ -72,7 +72,7 @@ class DecoderConfig:
     cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
     cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (engines/cpu_fast.py)
     # transformers engine: run the decode steps of concurrent answers as one batched step (Llama-family
-    # decoders; engines/torch_steps.py). "auto": on for CUDA and MPS, on CPU as measured (docs/performance.md).
+    # decoders; engines/torch_steps.py). "auto": on for CUDA and MPS; on CPU, engines/transformers.CPU_BATCH_DECODE.
     batch_decode: Literal["auto", "on", "off"] = "auto"
     constrained_closed: bool = True  # answer closed questions by scoring the options they name
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does

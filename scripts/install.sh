@@ -38,15 +38,16 @@ python -m pip install -qq --no-deps -e . >/dev/null 2>&1 || python -m pip instal
 # native wheel carried to an older CPU fails there. The wheel is kept in .cache/wheels (pip's own cache
 # does not tell builds with other flags apart). Set CMAKE_ARGS for another build (CUDA, Metal, native).
 LLAMA_WHEELS=.cache/wheels/llama-portable
+LLAMA_VERSION=$(sed -n "s/^llama-cpp-python==//p" requirements-llama.txt)
 if [ "${MEDVQA_NO_LLAMA:-0}" != 1 ] && ! python -c "import llama_cpp" 2>/dev/null; then
   if [ -z "${CMAKE_ARGS:-}" ] && [ "$(uname -m)" = x86_64 ]; then
     export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-    if ! ls "$LLAMA_WHEELS"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+    if ! ls "$LLAMA_WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
       echo "Building llama-cpp-python for AVX2: it compiles llama.cpp, about 15 minutes on 2 cores the first time"
       python -m pip wheel --progress-bar off --no-cache-dir --no-deps -w "$LLAMA_WHEELS" -r requirements-llama.txt \
         >/dev/null || echo "llama-cpp-python did not build." >&2
     fi
-    LLAMA_SOURCE=$(ls "$LLAMA_WHEELS"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -n 1 || true)
+    LLAMA_SOURCE=$(ls "$LLAMA_WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
   else
     echo "Installing llama-cpp-python: it compiles llama.cpp, about 15 minutes on 2 cores the first time"
     LLAMA_SOURCE="-r requirements-llama.txt"

@@ -124,7 +124,6 @@ class LlamaDecodeStep:
         x = F.rms_norm(x[-1:], (self.hidden,), self.final_norm, self.eps)  # logits of the last token only
         return _gemv(x, self.head, torch.get_num_threads()).float()
 
-
     @torch.inference_mode()
     def batch(self, embeddings: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
         """Logits (N, V) for one more token in each of N conversations: row i of `embeddings` (N, d)

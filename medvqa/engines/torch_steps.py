@@ -17,6 +17,7 @@ engine.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,21 +81,17 @@ class StepBatcher:
 
     # --- callers -------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
     def generating(self):
         """Held by an answer while it generates: a step waits (up to gather_s) for every such answer."""
-        batcher = self
-
-        class _Held:
-            def __enter__(self):
-                with batcher._changed:
-                    batcher._generating += 1
-
-            def __exit__(self, *exc):
-                with batcher._changed:
-                    batcher._generating -= 1
-                    batcher._changed.notify()
-
-        return _Held()
+        with self._changed:
+            self._generating += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._generating -= 1
+                self._changed.notify()
 
     def step(self, embedding: torch.Tensor, cache, position: int, waiting: Callable[[], ContextManager]):
         """Logits (1, V) after one more token of a conversation (its cache is extended by it)."""

@@ -217,11 +217,12 @@ class TransformersEngine(Engine):
 
 
 def batch_decode_on(setting: str, device) -> bool:
-    """decoder.batch_decode: "on", "off", or "auto" (on for CUDA and MPS; on CPU as measured in
-    docs/performance.md, "Under load")."""
+    """decoder.batch_decode: "on", "off", or "auto" (on for CUDA and MPS; on CPU, CPU_BATCH_DECODE)."""
     if setting in ("on", "off"):
         return setting == "on"
     return torch.device(device).type != "cpu" or CPU_BATCH_DECODE
 
 
-CPU_BATCH_DECODE = True  # "auto" on CPU (measured: docs/performance.md)
+# "auto" on CPU. Not measured yet on this machine: scripts/bench_app.py with MEDVQA_DECODER__ENGINE=transformers
+# and MEDVQA_DECODER__BATCH_DECODE off / on is to decide it (issue 21).
+CPU_BATCH_DECODE = True
