@@ -150,7 +150,7 @@ def test_concurrent_answers_share_steps_and_keep_their_tokens(tiny_pipeline):
     threads = [threading.Thread(target=answer, args=(prompt, together, index)) for index, prompt in enumerate(prompts)]
     for thread in threads:
         thread.start()
-    scored = tiny_pipeline.option_scores(_image(5), tiny_pipeline.prompts.build("Is it normal?"), ["Yes", "No"])
+    scored = tiny_pipeline.option_scores(_image(905), tiny_pipeline.prompts.build("Is it normal?"), ["Yes", "No"])
     for thread in threads:
         thread.join(timeout=60)
     assert together == alone
@@ -164,7 +164,7 @@ def test_concurrent_conversations_through_the_pipeline_are_answered_as_alone(tin
     import threading
 
     def ask(index, out):
-        conversation = Conversation(image=_image(30 + index))
+        conversation = Conversation(image=_image(930 + index))
         events = list(tiny_pipeline.ask(conversation, f"What is shown in view {index}?", max_new_tokens=10,
                                         constrained=False, warm=False))
         out[index] = "".join(event.text for event in events if isinstance(event, Token))
@@ -193,6 +193,6 @@ def test_batch_decode_setting(tiny_settings):
     settings = dataclasses.replace(tiny_settings, decoder=dataclasses.replace(tiny_settings.decoder, batch_decode="off"))
     pipeline = Pipeline.load(settings, with_retrieval=False)
     assert pipeline.engine.batcher is None
-    conversation = Conversation(image=_image(2))
+    conversation = Conversation(image=_image(902))
     events = list(pipeline.ask(conversation, "What is shown?", max_new_tokens=4, constrained=False, warm=False))
     assert isinstance(events[-1], Done)
