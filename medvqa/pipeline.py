@@ -315,7 +315,7 @@ class Pipeline:
         if closed is not None and self.settings.decoder.image_reliance:
             # Once the answer and its sources are out: whether its choice survives a neutral image.
             began = time.perf_counter()
-            neutral = self._request(BLANK_IMAGE, prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION)
+            neutral = self._request(BLANK_IMAGE, prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION, background=True)
             closed.update(image_reliance(closed["options"], self._option_scores(neutral, candidates)[1]))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
@@ -375,10 +375,12 @@ class Pipeline:
     def _prompt_window(self, conversation: Conversation) -> str:
         return conversation.window if self.settings.decoder.window_in_prompt else ""
 
-    def _request(self, image: np.ndarray, prompt: Prompt, digest: str, conversation_id: str = "") -> EngineRequest:
+    def _request(self, image: np.ndarray, prompt: Prompt, digest: str, conversation_id: str = "",
+                 background: bool = False) -> EngineRequest:
         model = self.model
         tokens = (lambda: model.image_tokens(image, digest)) if model is not None else None
-        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens, waiting=self.turns.aside)
+        return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens, waiting=self.turns.aside,
+                             background=background)
 
     # --- closed questions ----------------------------------------------------------------------------
 

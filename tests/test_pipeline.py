@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from medvqa.config import load_settings
 from medvqa.model import embed_prompt, merge_image_features
-from medvqa.pipeline import Conversation, Done, Sources, Token
+from medvqa.pipeline import NEUTRAL_CONVERSATION, Conversation, Done, Sources, Token
 from medvqa.projector import PREFIX, Projector, ProjectorShapeError, map_llava_med_projector
 
 from .conftest import prompt_gate, require_shared_data
@@ -268,3 +268,25 @@ def test_a_turn_set_aside_lets_others_through_and_is_taken_back():
     with turns.aside():  # outside a turn there is nothing to give up
         other()
     assert taken[-1] == threading.current_thread().name
+
+
+def test_the_image_reliance_check_runs_as_background_work(tiny_pipeline):
+    """A closed answer's options are scored for the waiting clinician; the same options with a blank
+    image (trust.image_reliance, after the answer is shown) go to the engine as background work."""
+    engine = tiny_pipeline.engine
+    seen = []
+    original = engine.score_options
+
+    def spy(request, answers):
+        seen.append((request.conversation_id, request.background))
+        return original(request, answers)
+
+    engine.score_options = spy
+    try:
+        conversation = Conversation(image=_image(7))
+        events = list(tiny_pipeline.ask(conversation, "Is the heart enlarged?", use_retrieval=False,
+                                        constrained=True, warm=False))
+    finally:
+        del engine.score_options
+    assert isinstance(events[-1], Done) and "flagged" in events[-1].closed
+    assert seen == [(conversation.id, False), (NEUTRAL_CONVERSATION, True)]

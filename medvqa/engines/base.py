@@ -35,6 +35,9 @@ class EngineRequest:
     # engine's step loop, a free slot): the pipeline's turn on the model is given up meanwhile
     # (TurnTaking.aside), so the other requests can reach the engine.
     waiting: Callable[[], ContextManager] = contextlib.nullcontext
+    # Work nobody is waiting for (the image-reliance check of an answer already shown): a batching
+    # engine runs it with warming, after the prompts of answers someone is waiting for.
+    background: bool = False
 
     def cache_ids(self, length: int | None = None) -> list[int]:
         """The prompt's ids with every image slot replaced by the image's key, so a cache built on

@@ -241,7 +241,7 @@ class LlamaCppEngine(Engine):
         try:
             reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
             pieces = self._prompt_pieces(request, keyed_ids, reused, last_logits)
-            job = job_type(slot=slot, pieces=pieces, keep=reused, **job_fields)
+            job = job_type(slot=slot, pieces=pieces, keep=reused, background=request.background, **job_fields)
         except BaseException:
             self._give_back(slot)
             raise

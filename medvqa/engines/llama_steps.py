@@ -28,7 +28,7 @@ import numpy as np
 from .base import log_softmax
 
 PREFILL_BUDGET = 64  # prompt positions one step runs besides the answers' next tokens
-WARM_SHARE = 8  # of which warming may take this many while answers are being generated
+WARM_SHARE = 8  # of which background work (warming) may take this many, in all, while answers are generated
 BATCH_CAPACITY = 512  # positions one llama_decode call may carry (the context's n_batch)
 
 
@@ -63,12 +63,14 @@ class Job:
     started: bool = False
     arrival: float = field(default_factory=time.monotonic)
     rows: list = field(default_factory=list)  # logits collected for the piece being run
+    background: bool = False  # nobody waits for it (EngineRequest.background): runs with warming
 
     warming = False
 
     def urgency(self) -> int:
-        """0: the next token of an answer being read; 1: an answer's prompt or options; 2: warming."""
-        return 2 if self.warming else 1
+        """0: the next token of an answer being read; 1: an answer's prompt or options; 2: warming
+        and other background work."""
+        return 2 if self.warming or self.background else 1
 
     def on_logits(self, rows: list[np.ndarray], loop: "StepLoop") -> None:
         """Called in the loop once every piece has run; `rows` are the logits the last piece asked for.
@@ -249,9 +251,9 @@ class StepLoop:
 
     def _plan(self) -> list[tuple[Job, Piece, int]]:
         """(job, piece, positions) to run this step: every answer's next token, then prompts within
-        the budget, most urgent and oldest first. Warming gets `warm_share` of it while answers are
-        being generated, all of it otherwise."""
-        plan, prompt_used, total = [], 0, 0
+        the budget, most urgent and oldest first. Background work (warming) gets `warm_share`
+        positions of it in all while answers are being generated, the whole budget otherwise."""
+        plan, prompt_used, background_used, total = [], 0, 0, 0
         generating = any(job.urgency() == 0 for job in self._jobs)
         for job in sorted(self._jobs, key=lambda job: (job.urgency(), job.arrival)):
             piece = job.pieces[0]
@@ -259,10 +261,12 @@ class StepLoop:
                 count = piece.left  # one answer token, or one option's ids: never split
             else:
                 allowance = self.budget - prompt_used
-                if job.warming and generating:
-                    allowance = min(allowance, self.warm_share)
+                if job.urgency() == 2 and generating:
+                    allowance = min(allowance, self.warm_share - background_used)
                 count = min(piece.left, allowance)
                 prompt_used += max(count, 0)
+                if job.urgency() == 2:
+                    background_used += max(count, 0)
             if count <= 0 or total + count > BATCH_CAPACITY:
                 continue
             plan.append((job, piece, count))

@@ -91,9 +91,10 @@ class TransformersEngine(Engine):
         # kept; a request of no conversation is scored from scratch.
         cache, reused = self._reusable_prefix(request.conversation_id, keyed) if request.conversation_id else (None, 0)
         embeds = self._embeds(request)[:, reused:]
-        logits, cache = self.run_prompt(embeds, cache, reused, request.waiting)
+        urgency = 2 if request.background else 1  # background work waits for the prompts of waited-for answers
+        logits, cache = self.run_prompt(embeds, cache, reused, request.waiting, urgency=urgency)
         first = log_softmax(logits[0].cpu().numpy())
-        scores = self._run(lambda: self._score(first, cache, len(keyed), answers), request.waiting)
+        scores = self._run(lambda: self._score(first, cache, len(keyed), answers), request.waiting, urgency)
         if request.conversation_id:
             self.prefixes.put(request.conversation_id, _Prefix(keyed, cache))
         return scores
@@ -155,8 +156,8 @@ class TransformersEngine(Engine):
                                               waiting, urgency)
         return logits, cache
 
-    def _run(self, run: Callable[[], object], waiting: Callable[[], ContextManager]):
-        return run() if self.batcher is None else self.batcher.call(run, waiting)
+    def _run(self, run: Callable[[], object], waiting: Callable[[], ContextManager], urgency: int = 1):
+        return run() if self.batcher is None else self.batcher.call(run, waiting, urgency)
 
     def _step(self, embedding: torch.Tensor, cache, position: int) -> torch.Tensor:
         """Logits (1, V) after one more token (the cache is extended by it)."""
