@@ -82,3 +82,30 @@ def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conve
     assert ui_pipeline.engine.prefixes.get(old.id) is None and replaced.conversation is not old
     replaced.close()
 
+
+
+def test_the_next_question_is_taken_once_the_answer_is_shown(ui_pipeline, upload_folder):
+    """Once an answer is shown complete (with its sources), the next question is answered, not refused,
+    though the first answer's event goes on to warm the next turn."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "next-question"
+    folder.mkdir()
+    path = shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm")
+    *_, session = handlers.upload({"path": str(path)}, None)
+    first = handlers.ask("Describe the image.", session)
+    for chat, _ in first:
+        if "medvqa-sources" in last_reply(chat):
+            break  # shown complete; the event itself has not ended
+    else:
+        raise AssertionError("the first answer never completed")
+    second = list(handlers.ask("Which organ is shown?", session))
+    reply = last_reply(second[-1][0])
+    assert "Please wait" not in reply and "medvqa-sources" in reply
+    list(first)  # the first event ends (its warming) without touching the second answer
+    assert session.current is None and [turn["question"] for turn in session.turns] == \
+        ["Describe the image.", "Which organ is shown?"]
+    session.close()

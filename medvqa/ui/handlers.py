@@ -221,7 +221,7 @@ class _Handlers:
                 yield update, ""
         finally:
             with session.lock:
-                if session.generation == generation:
+                if session.generation == generation and session.current is answer:
                     session.current = None
 
     def _stream(self, session: _Session, answer: _Answer, generation: int, reply: dict) -> Iterator[list[dict]]:
@@ -277,6 +277,9 @@ class _Handlers:
                     answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())
+                    # The answer is complete: the next question may be asked while the pipeline goes
+                    # on to warm the next turn in this generator.
+                    session.current = None
                 snapshot = _copy(session.messages)
             yield snapshot
 
