@@ -246,3 +246,39 @@ def test_a_stopped_answer_leaves_the_batch_and_frees_its_slot(pipelines):
     assert not any(slot.busy for slot in llama.engine._slots)
     answer, _ = llama.answer(_image(51), "What organ is shown?", use_retrieval=False, constrained=False)
     assert answer
+
+
+def test_a_prefix_another_slot_holds_is_copied_and_answers_as_computed(pipelines):
+    """A prompt whose start (the system prompt) only a busy slot holds is not run again: the engine
+    copies those keys/values into a free slot, and the greedy answer is the one computed from scratch."""
+    llama, _ = pipelines
+    engine = llama.engine
+    first, second = _image(60), _image(61)
+
+    def clear_slots():
+        with engine.loop.context_lock:
+            for slot in engine._slots:
+                engine.loop.truncate(slot, 0)
+
+    def answer(image, question):
+        timings: dict = {}
+        request = llama._request(image, llama.prompts.build(question), image_digest(image))
+        text = "".join(engine.stream(request, max_new_tokens=16, timings=timings))
+        return text, timings["reused_tokens"]
+
+    clear_slots()
+    alone, reused = answer(second, "What organ is shown?")
+    assert reused == 0
+    clear_slots()
+    answer(first, "Describe the image.")
+    holder = max(engine._slots, key=lambda slot: len(slot.cached))
+    copies = engine.loop.copies
+    holder.busy = True  # answering someone else: the next prompt takes another slot
+    try:
+        borrowed, reused = answer(second, "What organ is shown?")
+    finally:
+        holder.busy = False
+    system = llama.prompts.build("a").image_mask.index(True)  # positions before the image
+    assert engine.loop.copies == copies + 1 and reused == system
+    assert borrowed == alone
+    clear_slots()

@@ -8,8 +8,9 @@ which generation continues normally.
 
 The engine keeps its own prefix cache: each of a few sequences in one context keeps the keys/values of
 a conversation's last prompt and answer, and the next prompt that shares a prefix with one of them
-(the next turn of that conversation) only runs the new tokens. Image positions are keyed by content,
-so a different image never matches. Concurrent requests are batched continuously (llama_steps.py).
+(the next turn of that conversation) only runs the new tokens; a prefix that another slot holds
+(the system prompt every conversation starts with) is copied from it. Image positions are keyed by
+content, so a different image never matches. Concurrent requests are batched continuously (llama_steps.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ..config import DecoderConfig
 from ..language_model import derived_decoder_path
 from .base import Detokenizer, Engine, EngineRequest, sample_next_token, shared_prefix, stop_token_ids
 from .llama_steps import BATCH_CAPACITY, Generation, Job, Piece, Prefill, Scoring, StepLoop
+
+MIN_BORROWED = 4  # prompt positions another slot must hold beyond a slot's own cache to copy them over
 
 
 def gguf_file_type(path: str | os.PathLike) -> str:
@@ -240,12 +243,29 @@ class LlamaCppEngine(Engine):
             slot = self._take_slot(keyed_ids)
         try:
             reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
+            reused = self._borrow_prefix(slot, keyed_ids, reused)
             pieces = self._prompt_pieces(request, keyed_ids, reused, last_logits)
             job = job_type(slot=slot, pieces=pieces, keep=reused, background=request.background, **job_fields)
         except BaseException:
             self._give_back(slot)
             raise
         return job, reused
+
+    def _borrow_prefix(self, slot: _Slot, keyed_ids: list[int], own: int) -> int:
+        """Where another slot holds a longer prefix of the prompt than `slot` does (the system prompt
+        every conversation shares, in a slot this one never held it in; the neutral image of the
+        image-reliance check), copy those keys/values into `slot` instead of computing them again.
+        Returns how many of the prompt's positions the slot now holds. Copying a slot's stream
+        (about 24 KB a position for this decoder) costs less than running a few positions."""
+        limit = len(keyed_ids) - 1  # as for a slot's own cache: at least one prompt token runs
+        with self.loop.context_lock:  # no step runs meanwhile: every slot's cache is as `cached` says
+            donor, length = max(((other, min(shared_prefix(other.cached, keyed_ids), limit))
+                                 for other in self._slots if other is not slot),
+                                key=lambda entry: entry[1], default=(None, 0))
+            if donor is None or length < own + MIN_BORROWED:
+                return own
+            self.loop.copy_prefix(donor, slot, length)
+        return length
 
     def _prompt_pieces(self, request: EngineRequest, keyed_ids: list[int], start: int,
                        last_logits: bool) -> collections.deque:

@@ -182,6 +182,7 @@ class StepLoop:
         self._changed = threading.Condition()
         self._closing = False
         self.steps = 0  # llama_decode calls made (tests and benchmarks read it)
+        self.copies = 0  # prefixes copied between slots (copy_prefix)
         self._thread = threading.Thread(target=self._run, name="llama.cpp steps", daemon=True)
         self._thread.start()
 
@@ -217,6 +218,15 @@ class StepLoop:
         for batch in (self._tokens, self._embeds):
             self._lib.llama_batch_free(batch)
         self._tokens = self._embeds = None
+
+    def copy_prefix(self, source, target, length: int) -> None:
+        """Make `target`'s cache the first `length` positions of `source`'s (with the context lock held).
+        Between slots of their own key/value streams llama.cpp copies the whole stream, at the start of
+        the next llama_decode, before that step writes anything; the rest is cut away here."""
+        self._lib.llama_memory_seq_cp(self._memory, source.seq_id, target.seq_id, -1, -1)
+        self._lib.llama_memory_seq_rm(self._memory, target.seq_id, length, -1)
+        target.cached[:] = source.cached[:length]
+        self.copies += 1
 
     def truncate(self, slot, length: int) -> None:
         """Cut the slot's cache to its first `length` positions (with the context lock held)."""
