@@ -8,6 +8,9 @@ curve runs against that one app, one level after the other. Every session upload
 (its own size and pattern) and tags its questions with its number, so a mix-up shows: a chat, export
 or scan that holds anything of another session counts as one. `--arrival burst` (default) sends
 every session's first question at once; `staggered` starts session i `--stagger-s` x i seconds later.
+A client of the API does not run what the page chains to an upload (warming: the image encoded and
+the prompt up to the question cached while the clinician types), so each first question also pays
+for those; `--warm` calls that warming (/warm) after each upload, as the page does.
 
 All times are measured at the client: TTFT from sending a question to the first answer text
 streamed, TPOT the mean time between the answer's later streamed pieces (answers of one piece, the
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrival", choices=("burst", "staggered"), default="burst",
                         help="first questions all at once (burst) or session i after i x --stagger-s")
     parser.add_argument("--stagger-s", type=float, default=0.25, help="gap between sessions' starts when staggered")
+    parser.add_argument("--warm", action="store_true",
+                        help="after each upload, warm the session as the page does once a scan is shown (/warm): "
+                             "the image is encoded and the prompt up to the question cached before the questions")
     parser.add_argument("--profile", default="offline", help="profile of the app started here (default offline)")
     parser.add_argument("--url", default=None, help="an app already running; none is started then")
     parser.add_argument("--answer-timeout", type=float, default=300, help="seconds one answer may take")
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             stagger = args.stagger_s if args.arrival == "staggered" else 0.0
             with tempfile.TemporaryDirectory(prefix="medvqa-bench-") as folder:
                 results = run_sessions(url, clients, args.questions, Path(folder), args.answer_timeout,
-                                       args.deadline, level=level, stagger_s=stagger)
+                                       args.deadline, level=level, stagger_s=stagger, warm=args.warm)
             for r in results:
                 if args.verbose or r.errors or r.mixups:
                     print(session_line(r), flush=True)
@@ -178,7 +184,7 @@ def free_port() -> int:
 # ── Sessions ─────────────────────────────────────────────────────────────────────────────────
 
 def run_sessions(url: str, clients: int, questions: int, folder: Path, answer_timeout: float,
-                 deadline_s: float, level: int = 0, stagger_s: float = 0.0) -> list[SessionResult]:
+                 deadline_s: float, level: int = 0, stagger_s: float = 0.0, warm: bool = False) -> list[SessionResult]:
     """Run `clients` sessions at once; the first questions go when all have uploaded (session i
     `stagger_s` x i seconds after that). `level` varies the images' patterns between levels, so one
     level's scans are never in the app's caches for the next."""
@@ -186,7 +192,7 @@ def run_sessions(url: str, clients: int, questions: int, folder: Path, answer_ti
     start = threading.Barrier(clients)
     threads = [threading.Thread(target=session, daemon=True, name=f"session-{i}",
                                 args=(url, results[i], questions, folder, start, answer_timeout,
-                                      level, stagger_s * i))
+                                      level, stagger_s * i, warm))
                for i in range(clients)]
     for thread in threads:
         thread.start()
@@ -200,7 +206,7 @@ def run_sessions(url: str, clients: int, questions: int, folder: Path, answer_ti
 
 
 def session(url: str, result: SessionResult, questions: int, folder: Path, start: threading.Barrier,
-            answer_timeout: float, level: int = 0, delay_s: float = 0.0) -> None:
+            answer_timeout: float, level: int = 0, delay_s: float = 0.0, warm: bool = False) -> None:
     from gradio_client import Client, handle_file
 
     i = result.index
@@ -215,6 +221,8 @@ def session(url: str, result: SessionResult, questions: int, folder: Path, start
         if chat:
             result.errors.append(f"upload: {plain(text_of(chat[-1]))[:200]}")
             return
+        if warm:
+            client.predict("", api_name="/warm")  # the empty question box, as the page sends it
         start.wait(timeout=600)
         time.sleep(delay_s)
         asked = []

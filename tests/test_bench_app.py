@@ -20,7 +20,7 @@ def test_the_load_curve_prints_one_line_per_level(tiny_pipeline, tiny_cache, mon
     monkeypatch.setenv("MEDVQA_RETRIEVAL__ENABLED", "false")
     monkeypatch.setenv("MEDVQA_DECODER__MAX_NEW_TOKENS", "8")
     assert bench.main(["--profile", "tiny", "--clients", "1", "2", "--questions", "2", "--arrival", "staggered",
-                       "--stagger-s", "0.1"]) == 0
+                       "--stagger-s", "0.1", "--warm"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("clients=")]
     levels = [LEVEL_LINE.match(line) for line in lines]
     assert all(levels), lines

@@ -282,3 +282,23 @@ def test_a_prefix_another_slot_holds_is_copied_and_answers_as_computed(pipelines
     assert engine.loop.copies == copies + 1 and reused == system
     assert borrowed == alone
     clear_slots()
+
+
+def test_a_new_conversation_takes_an_empty_slot_not_another_conversations(pipelines):
+    """Warming a second scan's conversation does not evict the first one's warmed prompt from its slot
+    (the system prompt they share is copied instead), so both first questions find their prompts cached."""
+    llama, _ = pipelines
+    engine = llama.engine
+    with engine.loop.context_lock:
+        for slot in engine._slots:
+            engine.loop.truncate(slot, 0)
+    conversations = [Conversation(image=_image(70 + i)) for i in range(2)]
+    warmed = [llama.warm_next_turn(conversation) for conversation in conversations]
+    held = [slot for slot in engine._slots if slot.cached]
+    assert len(held) == 2 and all(len(slot.cached) == length for slot, length in zip(
+        sorted(held, key=lambda slot: slot.last_used), warmed))
+    for conversation in conversations:
+        done = [event for event in llama.ask(conversation, "Describe the image.", constrained=False,
+                                             use_retrieval=False, warm=False) if isinstance(event, Done)][0]
+        assert done.timings["reused_tokens"] == warmed[0]
+        llama.end_conversation(conversation)

@@ -327,3 +327,15 @@ def test_a_closed_tab_is_forgotten_at_once(ui_app, ui_pipeline, monkeypatch):
     while not ended and time.time() < deadline:
         time.sleep(0.1)
     assert ended, "the pipeline was not told to forget the conversation"
+
+
+def test_warming_after_an_upload_is_an_endpoint_for_scripts(app_url, ui_pipeline):
+    """/warm (undocumented, what the page chains to an upload): the session's prompt up to the question
+    is cached for a client that drives the app without the page."""
+    c = client(app_url)
+    upload(c, dicom_file("CT_small.dcm"))
+    before = set(ui_pipeline.engine.prefixes.keys())
+    c.predict("", api_name="/warm")
+    added = [key for key in ui_pipeline.engine.prefixes.keys() if key not in before]
+    assert len(added) == 1
+    assert len(ui_pipeline.engine.prefixes.get(added[0]).ids) > ui_pipeline.model.vision.num_tokens

@@ -16,12 +16,13 @@ content, so a different image never matches. Concurrent requests are batched con
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -97,15 +98,29 @@ class _Slot:
     forget: set[int] = field(default_factory=set)  # image keys to drop once the slot is given back
 
 
+def _slot_cost(slot: _Slot, shared: dict[int, int], length: int) -> int:
+    """Positions that taking `slot` costs a prompt of `length` positions, of which each slot's cache
+    holds `shared[seq_id]` as its prefix: those left to run after the longest prefix the slot holds or
+    can copy from another (_borrow_prefix), plus those of the slot's cache thrown away, plus one for a
+    copy. A conversation's own slot costs least; then an empty one, which loses nothing (another
+    conversation's slot would lose its scan and chat for the system prompt they share); when every
+    slot holds someone's work, the one losing least."""
+    own = shared[slot.seq_id]
+    donated = max((count for seq_id, count in shared.items() if seq_id != slot.seq_id), default=0)
+    copied = donated >= own + MIN_BORROWED
+    return length - max(own, donated if copied else 0) + (len(slot.cached) - own) + int(copied)
+
+
 class LlamaCppEngine(Engine):
     """The engine contract on llama.cpp (greedy or sampled, streamed), batched continuously.
 
     One context holds `slots` sequences, each with its own key/value stream. A request takes the free
-    slot whose cache shares the longest prefix with its prompt (its own conversation's previous turn,
-    if still there) and hands what is left to run to the step loop (llama_steps.py), which runs every
-    request's work together: one llama_decode a step carries the next token of each answer being
-    generated and chunks of prompts. The caller waits for its results inside `request.waiting`, so a
-    pipeline's turn-taking does not hold other requests back meanwhile.
+    slot whose cache keeps the most of its prompt for the least of another's (its own conversation's
+    previous turn, if still there; else an empty slot; else the least lost, oldest first) and hands
+    what is left to run to the step loop (llama_steps.py), which runs every request's work together:
+    one llama_decode a step carries the next token of each answer being generated and chunks of
+    prompts. The caller waits for its results inside `request.waiting`, so a pipeline's turn-taking
+    does not hold other requests back meanwhile.
     """
 
     name = "llama.cpp"
@@ -175,10 +190,9 @@ class LlamaCppEngine(Engine):
         with self._slots_changed:
             while all(slot.busy for slot in self._slots):
                 self._slots_changed.wait()
+            shared = {slot.seq_id: shared_prefix(slot.cached, keyed_ids) for slot in self._slots}
             free = [slot for slot in self._slots if not slot.busy]
-            slot = max(free, key=lambda s: (shared_prefix(s.cached, keyed_ids), -s.last_used))
-            if shared_prefix(slot.cached, keyed_ids) == 0:
-                slot = min(free, key=lambda s: s.last_used)  # nothing to reuse: evict the oldest
+            slot = min(free, key=lambda s: (_slot_cost(s, shared, len(keyed_ids)), s.last_used))
             slot.busy = True
             return slot
 
@@ -243,7 +257,7 @@ class LlamaCppEngine(Engine):
             slot = self._take_slot(keyed_ids)
         try:
             reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
-            reused = self._borrow_prefix(slot, keyed_ids, reused)
+            reused = self._borrow_prefix(slot, keyed_ids, reused, request.waiting)
             pieces = self._prompt_pieces(request, keyed_ids, reused, last_logits)
             job = job_type(slot=slot, pieces=pieces, keep=reused, background=request.background, **job_fields)
         except BaseException:
@@ -251,14 +265,19 @@ class LlamaCppEngine(Engine):
             raise
         return job, reused
 
-    def _borrow_prefix(self, slot: _Slot, keyed_ids: list[int], own: int) -> int:
+    def _borrow_prefix(self, slot: _Slot, keyed_ids: list[int], own: int,
+                       waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
         """Where another slot holds a longer prefix of the prompt than `slot` does (the system prompt
         every conversation shares, in a slot this one never held it in; the neutral image of the
         image-reliance check), copy those keys/values into `slot` instead of computing them again.
         Returns how many of the prompt's positions the slot now holds. Copying a slot's stream
         (about 24 KB a position for this decoder) costs less than running a few positions."""
         limit = len(keyed_ids) - 1  # as for a slot's own cache: at least one prompt token runs
-        with self.loop.context_lock:  # no step runs meanwhile: every slot's cache is as `cached` says
+        if not any(min(shared_prefix(other.cached, keyed_ids), limit) >= own + MIN_BORROWED
+                   for other in self._slots if other is not slot):
+            return own  # (a first look, without the lock; confirmed under it)
+        # The context lock waits for the step in progress: the caller's turn is given up meanwhile.
+        with waiting(), self.loop.context_lock:  # no step runs now: every cache is as `cached` says
             donor, length = max(((other, min(shared_prefix(other.cached, keyed_ids), limit))
                                  for other in self._slots if other is not slot),
                                 key=lambda entry: entry[1], default=(None, 0))

@@ -112,11 +112,15 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         # that arrive meanwhile collapse into the latest text.
         warming = dict(fn=handlers.warm, inputs=[session, question], outputs=None, api_visibility="private",
                        show_progress="hidden", concurrency_limit=1, concurrency_id="warm", queue=True)
+        # After a single-file upload the same warming is also an endpoint (/warm, undocumented): a
+        # script that drives the app through gradio_client (scripts/bench_app.py --warm) does what the
+        # page does once a scan is shown; the page chains it itself.
+        warming_endpoint = {**warming, "api_name": "warm", "api_visibility": "undocumented"}
         study_controls = dict(fn=handlers.study_controls, inputs=[session], outputs=[series_picker, series_notes],
                               api_visibility="private", show_progress="hidden", queue=False)
         upload.upload(handlers.upload, [upload, session], [upload, *viewer_outputs], preprocess=False,
                       api_name="upload", concurrency_limit=2, concurrency_id="scan-decode"
-                      ).then(**study_controls).then(**warming)
+                      ).then(**study_controls).then(**warming_endpoint)
         files.upload(handlers.upload, [files, session], [upload, *viewer_outputs], preprocess=False,
                      api_name="upload_files", concurrency_limit=2, concurrency_id="scan-decode"
                      ).then(**study_controls).then(**warming)
