@@ -42,3 +42,15 @@ def test_weight_bytes_count_a_tied_head_once(bench):
     model.get_input_embeddings = lambda: model.embed
     model.get_output_embeddings = lambda: model.head
     assert bench.weight_bytes_per_token(model) == 10 * 4 * 4
+
+
+def test_the_batch_shape_benchmark_times_every_shape_on_the_real_decoder(capsys):
+    """scripts/bench_llama_batch.py on the offline GGUF (skipped without llama-cpp-python): one row per
+    batch shape, each a positive time."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    shapes = load_script("bench_llama_batch")
+    assert shapes.main(["--runs", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["shape"] for row in summary["shapes"]] == [name for name, _, _ in shapes.SHAPES]
+    assert all(row["ms"] > 0 and row["positions_per_s"] > 0 for row in summary["shapes"])
+    assert summary["weights"] == "Q4_1" and summary["eight_slot_step_vs_one"] > 0

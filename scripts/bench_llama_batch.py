@@ -1,0 +1,97 @@
+"""What one llama_decode costs by batch shape on the offline decoder: the ceiling continuous batching
+works under on this machine.
+
+    python scripts/bench_llama_batch.py [--type Q8_0] [--threads 2] [--runs 15] [--json]
+
+One context as the llama.cpp engine makes it (8 slots of the profile's context window, one key/value
+stream each); every slot first holds an 80-token prompt. Then, median over --runs calls each: one
+token in one slot, a 7- and a 64-token prompt chunk in one slot, one token in each of 4 consecutive
+slots, of 4 slots apart (0, 2, 4, 6) and of all 8, and 8 tokens in each of the 8 slots. Printed per
+shape: milliseconds per call and positions per second; then the 8-slot step against one slot's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+SHAPES = [("1 token, 1 slot", [0], 1), ("7 tokens, 1 slot", [0], 7), ("64 tokens, 1 slot", [0], 64),
+          ("1 token each, slots 0-3", [0, 1, 2, 3], 1), ("1 token each, slots 0,2,4,6", [0, 2, 4, 6], 1),
+          ("1 token each, slots 0-7", list(range(8)), 1), ("8 tokens each, slots 0-7", list(range(8)), 8)]
+SLOTS, HELD = 8, 80
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--type", default="", help='weights re-encoded as this type (e.g. Q8_0); "" as shipped')
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    import llama_cpp
+    from llama_cpp._logger import set_verbose
+
+    from medvqa.config import load_settings, resolve_path
+    from medvqa.engines.llama_cpp import gguf_file_type, requantized_gguf
+
+    settings = load_settings("offline")
+    gguf = requantized_gguf(resolve_path(settings.decoder.name_or_path), args.type, settings.cache_dir)
+    set_verbose(False)
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = settings.decoder.context_window * SLOTS
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max, params.kv_unified = SLOTS, False
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(512, 0, 1)
+    positions = [0] * SLOTS
+
+    def decode(slots: list[int], per_slot: int) -> float:
+        index = 0
+        for slot in slots:
+            for offset in range(per_slot):
+                batch.token[index] = 100 + offset
+                batch.pos[index] = positions[slot] + offset
+                batch.n_seq_id[index] = 1
+                batch.seq_id[index][0] = slot
+                batch.logits[index] = int(offset == per_slot - 1)
+                index += 1
+            positions[slot] += per_slot
+        batch.n_tokens = index
+        start = time.perf_counter()
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+        return 1000 * (time.perf_counter() - start)
+
+    for slot in range(SLOTS):
+        decode([slot], HELD)
+    rows = []
+    for name, slots, per_slot in SHAPES:
+        ms = statistics.median(decode(slots, per_slot) for _ in range(args.runs))
+        rows.append({"shape": name, "positions": len(slots) * per_slot, "ms": round(ms, 1),
+                     "positions_per_s": round(1000 * len(slots) * per_slot / ms, 1)})
+    one, eight = rows[0]["ms"], rows[5]["ms"]
+    summary = {"weights": gguf_file_type(gguf), "threads": args.threads, "runs": args.runs, "shapes": rows,
+               "eight_slot_step_vs_one": round(eight / one, 2)}
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"weights {summary['weights']}, {args.threads} threads, medians of {args.runs} calls")
+        for row in rows:
+            print(f"  {row['shape']:<30} {row['ms']:7.1f} ms  {row['positions_per_s']:7.1f} positions/s")
+        print(f"  a step carrying 8 answers' tokens costs {summary['eight_slot_step_vs_one']}x one answer's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
