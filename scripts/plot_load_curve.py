@@ -37,12 +37,13 @@ def svg(series: list[tuple[str, list[dict[str, float]]]], title: str = "") -> st
     if not clients:
         raise SystemExit("no `clients=` lines in the files given")
     x_low, x_high = math.log2(min(clients)), math.log2(max(clients))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * len(PANELS)}" height="{HEIGHT + 60}" '
+    shift = 20 if title else 0  # the title's line, above the panels' own labels
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * len(PANELS)}" height="{HEIGHT + 60 + shift}" '
              f'font-family="sans-serif" font-size="11">', '<rect width="100%" height="100%" fill="white"/>']
     if title:
         parts.append(f'<text x="10" y="16" font-size="13">{html.escape(title)}</text>')
     for panel, (key, label) in enumerate(PANELS):
-        left, top = panel * WIDTH + PAD, 30
+        left, top = panel * WIDTH + PAD, 30 + shift
         inner_w, inner_h = WIDTH - PAD - 14, HEIGHT - 40
         values = [level[key] for _, levels in series for level in levels if math.isfinite(level.get(key, math.nan))]
         high = max(values, default=1.0) * 1.1 or 1.0
@@ -73,8 +74,8 @@ def svg(series: list[tuple[str, list[dict[str, float]]]], title: str = "") -> st
     for index, (name, _) in enumerate(series):
         x = 10 + index * 180
         colour = COLOURS[index % len(COLOURS)]
-        parts.append(f'<rect x="{x}" y="{HEIGHT + 42}" width="12" height="4" fill="{colour}"/>')
-        parts.append(f'<text x="{x + 16}" y="{HEIGHT + 48}">{html.escape(name)}</text>')
+        parts.append(f'<rect x="{x}" y="{HEIGHT + 42 + shift}" width="12" height="4" fill="{colour}"/>')
+        parts.append(f'<text x="{x + 16}" y="{HEIGHT + 48 + shift}">{html.escape(name)}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
