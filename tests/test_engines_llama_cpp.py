@@ -297,8 +297,8 @@ def test_a_new_conversation_takes_an_empty_slot_not_another_conversations(pipeli
     held = [slot for slot in engine._slots if slot.cached]
     assert len(held) == 2 and all(len(slot.cached) == length for slot, length in zip(
         sorted(held, key=lambda slot: slot.last_used), warmed))
-    for conversation in conversations:
+    for conversation, length in zip(conversations, warmed):
         done = [event for event in llama.ask(conversation, "Describe the image.", constrained=False,
                                              use_retrieval=False, warm=False) if isinstance(event, Done)][0]
-        assert done.timings["reused_tokens"] == warmed[0]
+        assert done.timings["reused_tokens"] == length
         llama.end_conversation(conversation)

@@ -272,15 +272,16 @@ class LlamaCppEngine(Engine):
         image-reliance check), copy those keys/values into `slot` instead of computing them again.
         Returns how many of the prompt's positions the slot now holds. Copying a slot's stream
         (about 24 KB a position for this decoder) costs less than running a few positions."""
-        limit = len(keyed_ids) - 1  # as for a slot's own cache: at least one prompt token runs
-        if not any(min(shared_prefix(other.cached, keyed_ids), limit) >= own + MIN_BORROWED
-                   for other in self._slots if other is not slot):
+        def best_donor() -> tuple[_Slot | None, int]:
+            limit = len(keyed_ids) - 1  # as for a slot's own cache: at least one prompt token runs
+            return max(((other, min(shared_prefix(other.cached, keyed_ids), limit))
+                        for other in self._slots if other is not slot), key=lambda entry: entry[1], default=(None, 0))
+
+        if best_donor()[1] < own + MIN_BORROWED:
             return own  # (a first look, without the lock; confirmed under it)
         # The context lock waits for the step in progress: the caller's turn is given up meanwhile.
         with waiting(), self.loop.context_lock:  # no step runs now: every cache is as `cached` says
-            donor, length = max(((other, min(shared_prefix(other.cached, keyed_ids), limit))
-                                 for other in self._slots if other is not slot),
-                                key=lambda entry: entry[1], default=(None, 0))
+            donor, length = best_donor()
             if donor is None or length < own + MIN_BORROWED:
                 return own
             self.loop.copy_prefix(donor, slot, length)

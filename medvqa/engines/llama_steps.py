@@ -63,14 +63,13 @@ class Job:
     started: bool = False
     arrival: float = field(default_factory=time.monotonic)
     rows: list = field(default_factory=list)  # logits collected for the piece being run
-    background: bool = False  # nobody waits for it (EngineRequest.background): runs with warming
-
-    warming = False
+    # Nobody waits for it (warming; EngineRequest.background, such as the image-reliance check).
+    background: bool = False
 
     def urgency(self) -> int:
-        """0: the next token of an answer being read; 1: an answer's prompt or options; 2: warming
-        and other background work."""
-        return 2 if self.warming or self.background else 1
+        """0: the next token of an answer being read; 1: an answer's prompt or options; 2: background
+        work."""
+        return 2 if self.background else 1
 
     def on_logits(self, rows: list[np.ndarray], loop: "StepLoop") -> None:
         """Called in the loop once every piece has run; `rows` are the logits the last piece asked for.
@@ -92,9 +91,10 @@ class Job:
 
 
 class Prefill(Job):
-    """Run a prompt into the slot (warming while the clinician types); no logits."""
+    """Run a prompt into the slot (warming while the clinician types); no logits. Background work."""
 
-    warming = True
+    def urgency(self) -> int:
+        return 2
 
 
 @dataclass(eq=False)
