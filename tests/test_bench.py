@@ -54,3 +54,23 @@ def test_the_batch_shape_benchmark_times_every_shape_on_the_real_decoder(capsys)
     assert [row["shape"] for row in summary["shapes"]] == [name for name, _, _ in shapes.SHAPES]
     assert all(row["ms"] > 0 and row["positions_per_s"] > 0 for row in summary["shapes"])
     assert summary["weights"] == "Q4_1" and summary["eight_slot_step_vs_one"] > 0
+
+
+def test_the_bandwidth_probe_leaves_the_benchmarks_peak_memory_alone():
+    """The probe's buffer lives in a child process: `peak_rss_mb` is the app's memory, not the probe's.
+    Run in a fresh interpreter, whose peak is not already set by earlier tests."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_latency.py"
+    code = ("import importlib.util, resource, sys\n"
+            f"spec = importlib.util.spec_from_file_location('bench_latency', {str(script)!r})\n"
+            "bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "gbps = bench.measure_bandwidth_gbps(megabytes=512, repeats=2)\n"
+            "print(gbps, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    gbps, grown_mb = map(float, out.split()[-2:])
+    assert gbps > 0
+    assert grown_mb < 64
