@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from medvqa.engines.llama_steps import Generation, Job, Piece, Prefill, Scoring, StepLoop
+from medvqa.engines.llama_steps import BATCH_CAPACITY, Generation, Job, Piece, Prefill, Scoring, StepLoop
 
 
 @dataclass
@@ -56,3 +56,20 @@ def test_background_scoring_waits_for_the_prompts_of_waited_for_answers():
     prompts = [_job(Generation, 1 + i, 30, 1.0 + i) for i in range(2)]
     assert check.urgency() == 2 and prompts[0].urgency() == 1
     assert _planned(_loop([check, *prompts])) == {1: 30, 2: 30, 0: 4}
+
+
+def test_a_waited_for_prompt_fills_the_batch_while_no_answer_streams():
+    """With nobody reading, a prompt is not held to the 64-position budget (a lone first turn runs as
+    fast as it did before the loop); background work still keeps to the budget, after it."""
+    prompt = _job(Generation, 0, 700, 0.0)
+    warming = _job(Prefill, 1, 100, 1.0)
+    assert _planned(_loop([prompt, warming])) == {0: BATCH_CAPACITY}
+    short = _job(Generation, 2, 40, 0.0)
+    assert _planned(_loop([short, _job(Prefill, 3, 100, 1.0)])) == {2: 40, 3: 24}
+
+
+def test_a_prompt_keeps_to_the_budget_while_an_answer_streams():
+    answer = _job(Generation, 0, 1, 0.0)
+    answer.generated = 2
+    prompt = _job(Generation, 1, 700, 1.0)
+    assert _planned(_loop([answer, prompt])) == {0: 1, 1: 64}

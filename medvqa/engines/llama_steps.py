@@ -262,13 +262,20 @@ class StepLoop:
     def _plan(self) -> list[tuple[Job, Piece, int]]:
         """(job, piece, positions) to run this step: every answer's next token, then prompts within
         the budget, most urgent and oldest first. Background work (warming) gets `warm_share`
-        positions of it in all while answers are being generated, the whole budget otherwise."""
+        positions of it in all while answers are being generated, the whole budget otherwise. While
+        no answer is being generated, waited-for prompts may fill the whole batch."""
         plan, prompt_used, background_used, total = [], 0, 0, 0
         generating = any(job.urgency() == 0 for job in self._jobs)
         for job in sorted(self._jobs, key=lambda job: (job.urgency(), job.arrival)):
             piece = job.pieces[0]
             if job.urgency() == 0 or piece.logits == "all":
                 count = piece.left  # one answer token, or one option's ids: never split
+            elif job.urgency() == 1 and not generating:
+                # Nobody is reading an answer, so no step needs to stay short: a waited-for prompt
+                # runs in chunks as large as a call takes (one session's first turn as fast as before
+                # the loop; larger chunks also suit the batched kernels of Q8_0 and IQ4_NL weights).
+                count = min(piece.left, BATCH_CAPACITY - prompt_used)
+                prompt_used += max(count, 0)
             else:
                 allowance = self.budget - prompt_used
                 if job.urgency() == 2 and generating:
