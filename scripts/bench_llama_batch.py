@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("llama_decode failed")
         return 1000 * (time.perf_counter() - start)
 
-    memory = llama_cpp.llama_memory_seq_rm
+    memory = llama_cpp.llama_get_memory(ctx)
 
     def timed(slots: list[int], per_slot: int) -> float:
         """One call at the same depth each time: the slots are cut back to the held prompt first."""
         for slot in slots:
-            memory(llama_cpp.llama_get_memory(ctx), slot, HELD, -1)
+            llama_cpp.llama_memory_seq_rm(memory, slot, HELD, -1)
             positions[slot] = HELD
         return decode(slots, per_slot)
 
