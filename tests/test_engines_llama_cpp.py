@@ -14,6 +14,7 @@ from medvqa.config import load_settings  # noqa: E402
 from medvqa.engines import EngineRequest  # noqa: E402
 from medvqa.model import embed_prompt, image_digest, image_key  # noqa: E402
 from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
+from .threads import join_all  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +228,7 @@ def test_answers_in_one_batch_are_the_tokens_of_answers_alone(pipelines):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    join_all(threads, timeout=300)
     steps = engine.loop.steps - steps_before
     forget_images()
     assert together == alone and all(alone)

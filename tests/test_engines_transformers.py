@@ -13,6 +13,7 @@ from medvqa.pipeline import Conversation, Done, Sources, Token
 from medvqa.projector import PREFIX, Projector, ProjectorShapeError, map_llava_med_projector
 
 from .conftest import prompt_gate, require_shared_data
+from .threads import join_all
 
 
 def _image(seed: int = 0, shape=(48, 40)) -> np.ndarray:
@@ -151,8 +152,7 @@ def test_concurrent_answers_share_steps_and_keep_their_tokens(tiny_pipeline):
     for thread in threads:
         thread.start()
     scored = tiny_pipeline.option_scores(_image(905), tiny_pipeline.prompts.build("Is it normal?"), ["Yes", "No"])
-    for thread in threads:
-        thread.join(timeout=60)
+    join_all(threads, timeout=60)
     assert together == alone
     assert engine.batcher.batches > before  # some steps carried several answers
     assert len(scored) == 2 and all(np.isfinite(scored))
@@ -177,8 +177,7 @@ def test_concurrent_conversations_through_the_pipeline_are_answered_as_alone(tin
     threads = [threading.Thread(target=ask, args=(index, together)) for index in range(4)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    join_all(threads, timeout=120)
     assert together == alone and all(alone.values())
 
 

@@ -22,6 +22,7 @@ from gradio_client import Client, handle_file  # noqa: E402
 
 pytest.register_assert_rewrite("tests.ui_helpers")  # so that its asserts explain their failures too
 
+from .threads import join_all  # noqa: E402
 from .ui_helpers import (CORPUS_URLS, EFFUSION_URLS, QUESTION, SlowPipeline, answer_part,  # noqa: E402
                          ask_streaming, assert_still_serving, client, decoded_image, image_src, last_reply, plain,
                          text_of, upload)
@@ -128,25 +129,30 @@ def test_png_upload_has_no_window_controls(app_url, tmp_path):
 def test_two_concurrent_sessions_see_only_their_own_scan_and_chat(app_url):
     scans = {"a": dicom_file("CT_small.dcm"), "b": dicom_file("MR_small.dcm")}
     questions = {"a": "Is there a pleural effusion on this CT?", "b": "Is there a lesion in the brain MRI?"}
-    results, errors = {}, []
+    results, errors, stages = {}, [], {}
     start = threading.Barrier(2)
 
     def session(name: str) -> None:
         try:
+            stages[name] = "upload"
             c = client(app_url)
             shown = upload(c, scans[name])
+            stages[name] = "barrier"
             start.wait(timeout=60)
+            stages[name] = "first question"
             ask_streaming(c, questions[name])
+            stages[name] = "follow-up"
             _, chat = ask_streaming(c, questions[name] + " Follow-up.")
+            stages[name] = "export"
             results[name] = (shown, chat, json.loads(c.predict(api_name="/export")[2]))
+            stages[name] = "done"
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=session, args=(name,)) for name in scans]
+    threads = [threading.Thread(target=session, args=(name,), name=f"session {name}") for name in scans]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    join_all(threads, timeout=300, stages=stages)
     assert not errors, errors
     for name, other in (("a", "b"), ("b", "a")):
         shown, chat, record = results[name]
