@@ -95,11 +95,11 @@ class StepBatcher:
 
     def step(self, embedding: torch.Tensor, cache, position: int, waiting: Callable[[], ContextManager]):
         """Logits (1, V) after one more token of a conversation (its cache is extended by it)."""
-        return self._submit(_Step(embedding=embedding, cache=cache, position=position), self._steps).wait(waiting)
+        return self._submit(_Step(embedding=embedding, cache=cache, position=position)).wait(waiting)
 
     def call(self, run: Callable[[], object], waiting: Callable[[], ContextManager], urgency: int = 1):
         """Run `run()` on the decoder's thread between two steps; its result."""
-        return self._submit(_Call(run=run, urgency=urgency), self._calls).wait(waiting)
+        return self._submit(_Call(run=run, urgency=urgency)).wait(waiting)
 
     def close(self) -> None:
         with self._changed:
@@ -112,13 +112,15 @@ class StepBatcher:
             work.error = RuntimeError("The transformers engine was closed.")
             work.done.set()
 
-    def _submit(self, work: _Work, queue: list) -> _Work:
+    def _submit(self, work: _Work) -> _Work:
         with self._changed:
             if self._closing:
                 work.error = RuntimeError("The transformers engine is closed.")
                 work.done.set()
                 return work
-            queue.append(work)
+            # The queue is looked up under the lock: the loop swaps self._steps for a new list as it
+            # takes the waiting steps, and a step put in the list it took would never run.
+            (self._steps if isinstance(work, _Step) else self._calls).append(work)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="transformers steps", daemon=True)
                 self._thread.start()
