@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -302,3 +305,89 @@ def test_a_new_conversation_takes_an_empty_slot_not_another_conversations(pipeli
                                              use_retrieval=False, warm=False) if isinstance(event, Done)][0]
         assert done.timings["reused_tokens"] == length
         llama.end_conversation(conversation)
+
+
+def _until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_a_request_gives_up_its_turn_to_wait_for_a_slot_and_only_then(pipelines):
+    """With a slot free it is taken at once; with every slot in use the caller waits inside
+    `waiting` (its turn given up, since the answers holding slots need turns to end), decided in the
+    same hold of the lock that takes the slot. Deciding first and taking after left a caller that
+    lost the race for the last free slot waiting with its turn held: every answer stopped."""
+    engine = pipelines[0].engine
+    waited = []
+
+    @contextlib.contextmanager
+    def waiting():
+        waited.append("given up")
+        yield
+        waited.append("taken back")
+
+    held = [engine._take_slot([1, 2, 3], waiting) for _ in engine._slots]
+    assert waited == [] and all(slot.busy for slot in engine._slots)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(engine._take_slot([1, 2, 3], waiting)), daemon=True)
+    thread.start()
+    try:
+        assert _until(lambda: waited == ["given up"])
+        engine._give_back(held[0])
+        join_all([thread], timeout=30)
+    finally:
+        for slot in held[1:] + got:
+            engine._give_back(slot)
+    assert got == [held[0]] and waited == ["given up", "taken back"]
+    assert not any(slot.busy for slot in engine._slots)
+
+
+def test_an_image_forgotten_while_a_slot_is_handed_back_is_dropped_too(pipelines, monkeypatch):
+    """forget_image on a slot in use asks for its keys to be dropped when it is given back; a key
+    asked for while those are being dropped is dropped as well (it used to be cleared unseen)."""
+    engine = pipelines[0].engine
+    slot = engine._take_slot([])
+    try:
+        with engine.loop.context_lock:
+            engine.loop.truncate(slot, 0)
+        slot.cached[:] = [11, -102, 12, -101, 13]  # ids only: no step runs on this slot here
+        slot.forget = {-101}
+        drop = engine._drop_keys
+        late = threading.Thread(target=engine.forget_image, args=(-102,), daemon=True)
+
+        def drop_while_another_is_forgotten(target, keys):
+            drop(target, keys)
+            if -101 in keys:
+                late.start()  # another tab closes just as this slot's first image was dropped
+                assert _until(lambda: -102 in slot.forget)
+
+        monkeypatch.setattr(engine, "_drop_keys", drop_while_another_is_forgotten)
+        engine._give_back(slot)
+        join_all([late], timeout=30)
+        assert slot.cached == [11] and slot.forget == set() and not slot.busy
+    finally:
+        monkeypatch.undo()
+        with engine.loop.context_lock:
+            engine.loop.truncate(slot, 0)  # the ids set above never matched its keys/values
+
+
+def test_shared_prefix_survives_a_list_cut_short_while_it_reads():
+    """The step loop cuts a slot's ids while a request compares its prompt with them."""
+    from medvqa.engines.base import shared_prefix
+
+    cached = [1, 2, 3, 4, 5, 6]
+
+    class Cutting(int):
+        def __eq__(self, other):
+            if int(self) == 2:
+                del cached[2:]  # the loop truncates the slot mid-comparison
+            return int(self) == other
+
+        def __ne__(self, other):
+            return not self.__eq__(other)
+
+        __hash__ = int.__hash__
+
+    assert shared_prefix(cached, [Cutting(i) for i in (1, 2, 3, 4, 5, 6)]) == 2

@@ -123,10 +123,12 @@ class Detokenizer:
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    limit = min(len(a), len(b))
+    """Length of the longest common prefix of two id lists. Safe while another thread shortens one
+    of them (the step loop cuts a slot's ids as a request reads them): it never indexes past an end."""
     shared = 0
-    while shared < limit and a[shared] == b[shared]:
+    for x, y in zip(a, b):
+        if x != y:
+            break
         shared += 1
     return shared
 

@@ -186,25 +186,44 @@ class LlamaCppEngine(Engine):
 
     # --- slots -----------------------------------------------------------------------------------
 
-    def _take_slot(self, keyed_ids: list[int]) -> _Slot:
+    def _take_slot(self, keyed_ids: list[int], waiting: Callable[[], ContextManager] = contextlib.nullcontext) -> _Slot:
+        """The free slot that suits the prompt best, marked busy. When every slot is in use it waits
+        inside `waiting` (the caller's turn given up: the answers holding slots need turns to end).
+        Whether to wait is decided in the same hold of the lock that takes the slot: a slot seen free,
+        then taken by another thread, must not leave this caller waiting with its turn held."""
         with self._slots_changed:
-            while all(slot.busy for slot in self._slots):
-                self._slots_changed.wait()
-            shared = {slot.seq_id: shared_prefix(slot.cached, keyed_ids) for slot in self._slots}
-            free = [slot for slot in self._slots if not slot.busy]
-            slot = min(free, key=lambda s: (_slot_cost(s, shared, len(keyed_ids)), s.last_used))
-            slot.busy = True
+            slot = self._pick_slot(keyed_ids)
+        if slot is not None:
             return slot
+        with waiting(), self._slots_changed:
+            while (slot := self._pick_slot(keyed_ids)) is None:
+                self._slots_changed.wait()
+        return slot
+
+    def _pick_slot(self, keyed_ids: list[int]) -> _Slot | None:
+        """With _slots_changed held: the best free slot, marked busy, or None when all are in use."""
+        free = [slot for slot in self._slots if not slot.busy]
+        if not free:
+            return None
+        shared = {slot.seq_id: shared_prefix(slot.cached, keyed_ids) for slot in self._slots}
+        slot = min(free, key=lambda s: (_slot_cost(s, shared, len(keyed_ids)), s.last_used))
+        slot.busy = True
+        return slot
 
     def _give_back(self, slot: _Slot) -> None:
-        if slot.forget:
+        """Free the slot, first dropping the images forget_image asked to drop while it was in use.
+        The keys are taken and the slot freed under _slots_changed, so a key added meanwhile is
+        dropped too, never lost."""
+        while True:
+            with self._slots_changed:
+                keys, slot.forget = slot.forget, set()
+                if not keys:
+                    slot.busy = False
+                    slot.last_used = time.monotonic()
+                    self._slots_changed.notify()
+                    return
             with self.loop.context_lock:
-                self._drop_keys(slot, slot.forget)
-            slot.forget = set()
-        with self._slots_changed:
-            slot.busy = False
-            slot.last_used = time.monotonic()
-            self._slots_changed.notify()
+                self._drop_keys(slot, keys)
 
     def forget(self, conversation_id: str, image_key: int | None = None) -> None:
         """Slots are shared by content, not owned by a conversation: only an image's keys/values are
@@ -248,13 +267,7 @@ class LlamaCppEngine(Engine):
         caller's turn when all are in use) and the job that runs the rest of its prompt there. The
         image's projected tokens are asked for only when its positions are not cached."""
         keyed_ids = request.cache_ids()
-        with self._slots_changed:
-            must_wait = all(slot.busy for slot in self._slots)
-        if must_wait:
-            with request.waiting():
-                slot = self._take_slot(keyed_ids)
-        else:
-            slot = self._take_slot(keyed_ids)
+        slot = self._take_slot(keyed_ids, request.waiting)
         try:
             reused = min(shared_prefix(slot.cached, keyed_ids), len(keyed_ids) - 1)  # run >= 1 prompt token
             reused = self._borrow_prefix(slot, keyed_ids, reused, request.waiting)
