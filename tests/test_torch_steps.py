@@ -71,3 +71,23 @@ def test_work_after_the_thread_idled_out_starts_a_new_one(monkeypatch):
     finally:
         batcher.close()
     assert float(first[0, 0]) == 3.0 and float(second[0, 0]) == 4.0
+
+
+def test_the_step_thread_keeps_the_engines_thread_count_whatever_a_query_set():
+    """A retrieval query sets torch to one thread for itself, through torch's process-wide count; a
+    step thread started meanwhile used to take that count and decode on one thread for its life."""
+    from medvqa.retrieval.search import query_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batcher = StepBatcher(lambda embedding, cache, position: torch.tensor([[float(torch.get_num_threads())]]),
+                              lambda embeddings, caches, positions: None)
+        try:
+            with query_threads(1):
+                seen = batcher.step(torch.zeros(1, 1), None, 0, contextlib.nullcontext)
+        finally:
+            batcher.close()
+    finally:
+        torch.set_num_threads(before)
+    assert float(seen[0, 0]) == 2.0

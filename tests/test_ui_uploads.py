@@ -75,6 +75,28 @@ def test_a_refused_upload_request_loses_its_temporary_file_at_once(tmp_path):
     folder.upload_ended(refused=True)
 
 
+def test_a_second_tab_reading_as_the_first_deletes_the_file_gets_its_bytes(tmp_path, monkeypatch):
+    """The bytes are remembered before the file is deleted, so a second tab whose read comes between
+    the two is served them (it used to find neither the file nor the bytes)."""
+    import pathlib
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))
+    shared = tmp_path / "4567cdef" / "scan.png"
+    shared.parent.mkdir()
+    shared.write_bytes(b"racing pixels")
+    unlink, second = pathlib.Path.unlink, []
+
+    def unlink_then_the_other_tab_reads(self, *args, **kwargs):
+        unlink(self, *args, **kwargs)
+        if self == shared and not second:
+            second.append(None)
+            second[0] = _take_upload({"path": str(shared)}, max_bytes=100)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink_then_the_other_tab_reads)
+    assert _take_upload({"path": str(shared)}, max_bytes=100) == b"racing pixels"
+    assert second == [b"racing pixels"]
+
+
 def test_the_same_file_from_two_tabs_at_once_is_read_by_both(tmp_path, monkeypatch):
     """Gradio names an upload by its content, so two tabs sending the same file share one path: the
     second reader gets the bytes the first read (and deleted) a moment ago."""

@@ -75,6 +75,10 @@ class StepBatcher:
         self._changed = threading.Condition()
         self._closing = False
         self.batches = 0  # steps run with more than one conversation (tests and benchmarks read it)
+        # torch's thread count as the engine was built: the thread sets it for itself as it starts, as
+        # a new thread otherwise takes the process-wide count of that moment, which a retrieval query
+        # (search.query_threads) may have set to 1 for itself.
+        self.threads = torch.get_num_threads()
         # Started with the first work and ended after IDLE_S without any, so an engine nobody closes
         # is not kept alive by its thread.
         self._thread: threading.Thread | None = None
@@ -130,6 +134,7 @@ class StepBatcher:
     # --- the loop --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)
         while True:
             with self._changed:
                 idle_until = time.monotonic() + IDLE_S

@@ -53,6 +53,7 @@ def _take_upload(payload: Any, max_bytes: int) -> bytes:
     try:
         with open(path, "rb") as handle:
             data = handle.read(max_bytes + 1)
+        _remember(str(path), data)  # before the file goes: a second tab with it may look any moment
     except FileNotFoundError:
         data = _recall(str(path))  # the same file from another tab, read (and deleted) a moment ago
     except OSError:
@@ -67,7 +68,6 @@ def _take_upload(payload: Any, max_bytes: int) -> bytes:
         raise ScanError("The upload could not be read.")
     if len(data) > max_bytes:
         raise ScanError(f"The file is larger than the {max_bytes / 2**20:.0f} MB upload limit.")
-    _remember(str(path), data)
     return data
 
 
