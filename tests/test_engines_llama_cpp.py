@@ -391,3 +391,15 @@ def test_shared_prefix_survives_a_list_cut_short_while_it_reads():
         __hash__ = int.__hash__
 
     assert shared_prefix(cached, [Cutting(i) for i in (1, 2, 3, 4, 5, 6)]) == 2
+
+
+def test_an_option_too_long_for_one_step_is_refused_not_left_waiting(pipelines):
+    """An option's ids run in one step; one longer than a step takes could never run."""
+    llama, _ = pipelines
+    image = _image(12)
+    prompt = llama.prompts.build("Is it normal?")
+    request = EngineRequest("", prompt, image, -12, lambda: llama.model.image_tokens(image))
+    with pytest.raises(ValueError, match="longer than one step"):
+        llama.engine.score_options(request, [[5] * 600, [6]])
+    assert not any(slot.busy for slot in llama.engine._slots)
+    assert len(llama.engine.score_options(request, [[5] * 3, [6]])) == 2

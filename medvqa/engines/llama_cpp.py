@@ -368,6 +368,12 @@ class LlamaCppEngine(Engine):
         return len(keyed_ids)
 
     def score_options(self, request: EngineRequest, answers: list[list[int]]) -> list[float]:
+        if not answers:
+            raise ValueError("score_options needs at least one answer")
+        longest = max(len(ids) for ids in answers)
+        if longest - 1 > BATCH_CAPACITY:  # an option runs in one step (all but its last id), never split
+            raise ValueError(f"An answer option of {longest} tokens is longer than one step takes "
+                             f"({BATCH_CAPACITY + 1}).")
         job, _ = self._start(request, Scoring, answers=[list(ids) for ids in answers])
         try:
             self.loop.submit(job).wait(request.waiting)
