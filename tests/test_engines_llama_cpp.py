@@ -248,7 +248,7 @@ def test_a_stopped_answer_leaves_the_batch_and_frees_its_slot(pipelines):
                        use_retrieval=False, warm=False)
     next(event for event in stream if not isinstance(event, Done) and getattr(event, "text", ""))
     stream.close()
-    assert not any(slot.busy for slot in llama.engine._slots)
+    assert _until(lambda: not any(slot.busy for slot in llama.engine._slots))
     answer, _ = llama.answer(_image(51), "What organ is shown?", use_retrieval=False, constrained=False)
     assert answer
 
@@ -405,3 +405,17 @@ def test_an_option_too_long_for_one_step_is_refused_not_left_waiting(pipelines):
         llama.engine.score_options(request, [[5] * 600, [6]])
     assert not any(slot.busy for slot in llama.engine._slots)
     assert len(llama.engine.score_options(request, [[5] * 3, [6]])) == 2
+
+
+def test_closing_a_running_answer_does_not_wait_for_the_step_loop(pipelines):
+    """Gradio closes a stopped answer's generator on the server's event loop: the close returns at
+    once, whatever the step in progress, and the slot is freed once the answer is out of the loop."""
+    llama, _ = pipelines
+    stream = llama.ask(Conversation(image=_image(52)), "Describe the image.", constrained=False,
+                       use_retrieval=False, warm=False, max_new_tokens=64)
+    next(event for event in stream if not isinstance(event, Done) and getattr(event, "text", ""))
+    closer = threading.Thread(target=stream.close, name="closer", daemon=True)
+    with llama.engine.loop.context_lock:  # no step can finish meanwhile
+        closer.start()
+        join_all([closer], timeout=30)
+    assert _until(lambda: not any(slot.busy for slot in llama.engine._slots))

@@ -354,7 +354,14 @@ class LlamaCppEngine(Engine):
             if timings is not None:
                 timings["output_tokens"] = job.generated
         finally:
-            self._finish(job)
+            if job.finished.is_set():
+                self._finish(job)
+            else:
+                # Closed before its end (Stop, a closed tab), often by Gradio on the server's event
+                # loop, which must not wait for the step in progress: a thread of its own takes the
+                # job out of the loop and frees the slot (busy until then).
+                threading.Thread(target=self._finish, args=(job,), name="llama.cpp stopped answer",
+                                 daemon=True).start()
 
     def prefill(self, request: EngineRequest) -> int:
         """Cache the prompt without generating, in the slot holding the longest part of it; runs after
