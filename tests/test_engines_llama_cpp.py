@@ -230,7 +230,7 @@ def test_answers_in_one_batch_are_the_tokens_of_answers_alone(pipelines):
     def run(index):
         together[index] = token_ids(images[index], questions[index], barrier)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(questions))]
     for thread in threads:
         thread.start()
     join_all(threads, timeout=300)

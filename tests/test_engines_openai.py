@@ -107,7 +107,7 @@ def test_a_streaming_answer_does_not_hold_other_conversations_back(server):
         events = list(pipeline.ask(Conversation(image=image), f"Is there an effusion in view {index}?"))
         answers[index] = events[-1].answer
 
-    threads = [threading.Thread(target=ask, args=(index,)) for index in range(2)]
+    threads = [threading.Thread(target=ask, args=(index,), daemon=True) for index in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -148,7 +148,8 @@ def test_concurrent_answers_share_steps_and_keep_their_tokens(tiny_pipeline):
     alone = [answer(prompt) for prompt in prompts]
     before = engine.batcher.batches
     together: list = [None] * len(prompts)
-    threads = [threading.Thread(target=answer, args=(prompt, together, index)) for index, prompt in enumerate(prompts)]
+    threads = [threading.Thread(target=answer, args=(prompt, together, index), daemon=True)
+               for index, prompt in enumerate(prompts)]
     for thread in threads:
         thread.start()
     scored = tiny_pipeline.option_scores(_image(905), tiny_pipeline.prompts.build("Is it normal?"), ["Yes", "No"])
@@ -174,7 +175,7 @@ def test_concurrent_conversations_through_the_pipeline_are_answered_as_alone(tin
     for index in range(4):
         ask(index, alone)
     together: dict = {}
-    threads = [threading.Thread(target=ask, args=(index, together)) for index in range(4)]
+    threads = [threading.Thread(target=ask, args=(index, together), daemon=True) for index in range(4)]
     for thread in threads:
         thread.start()
     join_all(threads, timeout=120)

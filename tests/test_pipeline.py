@@ -231,7 +231,8 @@ def test_conversations_take_turns_on_the_model(tiny_pipeline):
     conversation = Conversation(image=_image(32))
     finished = threading.Event()
     with tiny_pipeline.turns.turn():
-        worker = threading.Thread(target=lambda: (tiny_pipeline.warm_next_turn(conversation), finished.set()))
+        worker = threading.Thread(target=lambda: (tiny_pipeline.warm_next_turn(conversation), finished.set()),
+                                  daemon=True)
         worker.start()
         assert not finished.wait(0.3)  # blocked behind the turn held here
     worker.join(timeout=60)
@@ -255,11 +256,11 @@ def test_a_turn_set_aside_lets_others_through_and_is_taken_back():
 
     with turns.turn():
         with turns.aside():
-            first = threading.Thread(target=other, name="first")
+            first = threading.Thread(target=other, name="first", daemon=True)
             first.start()
             first.join(timeout=10)
             assert taken == ["first"]
-        second = threading.Thread(target=other, name="second")
+        second = threading.Thread(target=other, name="second", daemon=True)
         second.start()
         second.join(timeout=0.3)
         assert second.is_alive()  # the turn is held again

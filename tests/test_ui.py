@@ -149,7 +149,7 @@ def test_two_concurrent_sessions_see_only_their_own_scan_and_chat(app_url):
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=session, args=(name,), name=f"session {name}") for name in scans]
+    threads = [threading.Thread(target=session, args=(name,), name=f"session {name}", daemon=True) for name in scans]
     for thread in threads:
         thread.start()
     join_all(threads, timeout=300, stages=stages)
