@@ -71,7 +71,7 @@ def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conve
 
     def warm_while_the_window_changes(conversation, draft="", **options):
         done = original(conversation, draft, **options)
-        replaced.look_at(replaced.scan)  # the clinician changed the window meanwhile
+        ui_pipeline.end_conversation(replaced.look_at(replaced.scan))  # the window changed meanwhile
         return done
 
     ui_pipeline.warm_next_turn = warm_while_the_window_changes
@@ -108,4 +108,29 @@ def test_the_next_question_is_taken_once_the_answer_is_shown(ui_pipeline, upload
     list(first)  # the first event ends (its warming) without touching the second answer
     assert session.current is None and [turn["question"] for turn in session.turns] == \
         ["Describe the image.", "Which organ is shown?"]
+    session.close()
+
+
+def test_a_new_window_ends_the_old_conversation_outside_the_sessions_lock(ui_pipeline, upload_folder, monkeypatch):
+    """Ending a conversation may wait for the decoder's step in progress; the tab's other events
+    (Stop, the chat) take its lock meanwhile, so the lock is let go first."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "window-lock"
+    folder.mkdir()
+    path = shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm")
+    *_, session = handlers.upload({"path": str(path)}, None)
+    old, ended = session.conversation, []
+    end = ui_pipeline.end_conversation
+
+    def end_and_note(conversation, **options):
+        ended.append((conversation, session.lock.locked()))
+        end(conversation, **options)
+
+    monkeypatch.setattr(ui_pipeline, "end_conversation", end_and_note)
+    handlers._render(session, "lung", None)
+    assert ended == [(old, False)] and session.conversation is not old
     session.close()

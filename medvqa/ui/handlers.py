@@ -130,7 +130,8 @@ class _Handlers:
             log.exception("render failed")
             return self.viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
         with session.lock:
-            session.look_at(scan)
+            old = session.look_at(scan)
+        self.pipeline.end_conversation(old)  # a warming that ran meanwhile ends it too (see warm)
         return self._viewer_update(session, controls=True, slider_moved=slider_moved)
 
     def _viewer_update(self, session: _Session, controls: bool, slider_moved: bool = False):

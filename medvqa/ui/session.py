@@ -39,13 +39,15 @@ class _Session:
     current: _Answer | None = None  # the answer being streamed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def look_at(self, scan: Scan) -> None:
+    def look_at(self, scan: Scan) -> Conversation:
         """Show `scan` and let the model see exactly it from the next question on. The conversation
-        keeps its history but gets a new id, so no decoder cache built on the old pixels is reused."""
+        keeps its history but gets a new id, so no decoder cache built on the old pixels is reused.
+        Returns the old conversation, for the caller to end (Pipeline.end_conversation) once it has
+        let go of the session's lock: ending may wait for the decoder's step in progress."""
         self.scan = scan
         old = self.conversation
         self.conversation = Conversation(image=scan.pixels, window=scan.describe_window(), history=old.history)
-        self.pipeline.end_conversation(old)
+        return old
 
     def close(self) -> None:
         """Let the pipeline drop what it cached for this session's conversation."""
