@@ -171,6 +171,8 @@ class LlamaCppEngine(Engine):
         loop, self.loop = getattr(self, "loop", None), None
         if loop is not None:
             loop.close()
+            if loop.running:
+                return  # its step still uses the context and the weights: leave them to the process
         lib = getattr(self, "_lib", None)
         if lib is None:
             return

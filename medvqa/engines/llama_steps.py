@@ -212,12 +212,20 @@ class StepLoop:
             self._closing = True
             self._changed.notify()
         self._thread.join(timeout=60)
-        for job in self._jobs:
+        with self._changed:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
             job.finish(RuntimeError("The llama.cpp engine was closed."))
-        self._jobs = []
+        if self.running:
+            return  # a step still running (after a minute) uses the batches: leave them to the process
         for batch in (self._tokens, self._embeds):
             self._lib.llama_batch_free(batch)
         self._tokens = self._embeds = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's thread is still alive (after close: a step ran past close's minute)."""
+        return self._thread.is_alive()
 
     def copy_prefix(self, source, target, length: int) -> None:
         """Make `target`'s cache the first `length` positions of `source`'s (with the context lock held).

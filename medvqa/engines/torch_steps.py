@@ -112,7 +112,9 @@ class StepBatcher:
         thread = self._thread
         if thread is not None:
             thread.join(timeout=60)
-        for work in self._steps + self._calls:
+        with self._changed:
+            left, self._steps, self._calls = self._steps + self._calls, [], []
+        for work in left:
             work.error = RuntimeError("The transformers engine was closed.")
             work.done.set()
 
