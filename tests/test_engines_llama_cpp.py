@@ -419,3 +419,20 @@ def test_closing_a_running_answer_does_not_wait_for_the_step_loop(pipelines):
         closer.start()
         join_all([closer], timeout=30)
     assert _until(lambda: not any(slot.busy for slot in llama.engine._slots))
+
+
+def test_an_answer_running_as_the_engine_closes_fails_with_a_clear_error():
+    """Closing the engine (the app shutting down) fails what is still running and what comes after
+    with "closed", not an error of the engine's insides."""
+    settings = load_settings("offline")
+    settings.decoder.engine = "llama.cpp"
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    stream = pipeline.ask(Conversation(image=_image(70)), "Describe the image.", constrained=False,
+                          use_retrieval=False, warm=False, max_new_tokens=64)
+    next(event for event in stream if not isinstance(event, Done) and getattr(event, "text", ""))
+    pipeline.engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        list(stream)
+    with pytest.raises(RuntimeError, match="closed"):
+        list(pipeline.ask(Conversation(image=_image(71)), "Describe the image.", constrained=False,
+                          use_retrieval=False, warm=False))

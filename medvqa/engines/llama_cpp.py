@@ -268,6 +268,8 @@ class LlamaCppEngine(Engine):
         """A slot for the request (the free one holding most of its prompt; waiting for one outside the
         caller's turn when all are in use) and the job that runs the rest of its prompt there. The
         image's projected tokens are asked for only when its positions are not cached."""
+        if self.loop is None:
+            raise RuntimeError("The llama.cpp engine is closed.")
         keyed_ids = request.cache_ids()
         slot = self._take_slot(keyed_ids, request.waiting)
         try:
@@ -327,8 +329,12 @@ class LlamaCppEngine(Engine):
         return pieces
 
     def _finish(self, job: Job) -> None:
-        """Take the job out of the loop (at its next step, if it is still running) and free its slot."""
-        self.loop.cancel(job)
+        """Take the job out of the loop (at its next step, if it is still running) and free its slot.
+        After close the loop is gone and has failed the job: nothing is left to take out."""
+        loop = self.loop
+        if loop is None:
+            return
+        loop.cancel(job)
         self._give_back(job.slot)
 
     # --- the engine contract ---------------------------------------------------------------------
