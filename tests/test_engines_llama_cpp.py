@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from medvqa.config import load_settings  # noqa: E402
 from medvqa.engines import EngineRequest  # noqa: E402
 from medvqa.model import embed_prompt, image_digest, image_key  # noqa: E402
 from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
-from .threads import join_all  # noqa: E402
+from .threads import join_all, until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +247,7 @@ def test_a_stopped_answer_leaves_the_batch_and_frees_its_slot(pipelines):
                        use_retrieval=False, warm=False)
     next(event for event in stream if not isinstance(event, Done) and getattr(event, "text", ""))
     stream.close()
-    assert _until(lambda: not any(slot.busy for slot in llama.engine._slots))
+    assert until(lambda: not any(slot.busy for slot in llama.engine._slots))
     answer, _ = llama.answer(_image(51), "What organ is shown?", use_retrieval=False, constrained=False)
     assert answer
 
@@ -309,13 +308,6 @@ def test_a_new_conversation_takes_an_empty_slot_not_another_conversations(pipeli
         llama.end_conversation(conversation)
 
 
-def _until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return condition()
-
-
 def test_a_request_gives_up_its_turn_to_wait_for_a_slot_and_only_then(pipelines):
     """With a slot free it is taken at once; with every slot in use the caller waits inside
     `waiting` (its turn given up, since the answers holding slots need turns to end), decided in the
@@ -336,7 +328,7 @@ def test_a_request_gives_up_its_turn_to_wait_for_a_slot_and_only_then(pipelines)
     thread = threading.Thread(target=lambda: got.append(engine._take_slot([1, 2, 3], waiting)), daemon=True)
     thread.start()
     try:
-        assert _until(lambda: waited == ["given up"])
+        assert until(lambda: waited == ["given up"])
         engine._give_back(held[0])
         join_all([thread], timeout=30)
     finally:
@@ -363,7 +355,7 @@ def test_an_image_forgotten_while_a_slot_is_handed_back_is_dropped_too(pipelines
             drop(target, keys)
             if -101 in keys:
                 late.start()  # another tab closes just as this slot's first image was dropped
-                assert _until(lambda: -102 in slot.forget)
+                assert until(lambda: -102 in slot.forget)
 
         monkeypatch.setattr(engine, "_drop_keys", drop_while_another_is_forgotten)
         engine._give_back(slot)
@@ -418,7 +410,7 @@ def test_closing_a_running_answer_does_not_wait_for_the_step_loop(pipelines):
     with llama.engine.loop.context_lock:  # no step can finish meanwhile
         closer.start()
         join_all([closer], timeout=30)
-    assert _until(lambda: not any(slot.busy for slot in llama.engine._slots))
+    assert until(lambda: not any(slot.busy for slot in llama.engine._slots))
 
 
 def test_an_answer_running_as_the_engine_closes_fails_with_a_clear_error():

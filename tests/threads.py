@@ -27,3 +27,11 @@ def join_all(threads: list[threading.Thread], timeout: float, stages: dict | Non
     alive = [thread.name for thread in threads if thread.is_alive()]
     if alive:
         raise AssertionError(f"still running after {timeout:.0f} s: {alive}; stages: {stages}\n{all_stacks()}")
+
+
+def until(condition, timeout: float = 30.0) -> bool:
+    """Whether `condition()` holds within `timeout` seconds, polled (another thread's doing)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
