@@ -1,7 +1,11 @@
 """VQA benchmarks as one list type: VQA-RAD, SLAKE (their own files) and a plain JSONL format.
 
-JSONL format (any other benchmark, e.g. PathVQA, converts to it): `DIR/SPLIT.jsonl`, one question a
-line with `image` (file under `DIR/images/`), `question`, `answer`, `answer_type` (OPEN/CLOSED).
+JSONL format (any other benchmark converts to it): `DIR/SPLIT.jsonl`, one question a line with `image`
+(file under `DIR/images/`), `question`, `answer`, `answer_type` (OPEN/CLOSED).
+
+PathVQA (`pathvqa:DIR:train`) is read from the layout of the public BTIA-AD-Net repository's
+`data/pathvqa` (`train.json` rows with `image_path`, images under `images/train/`) or from the JSONL
+format. Its test split is this team's held-out set and is refused.
 """
 
 from __future__ import annotations
@@ -27,11 +31,17 @@ def load_examples(dataset: str, data_dir: str | Path | None, split: str) -> list
         return _vqa_rad(Path(data_dir or SHARED_DATA / "vqa_rad"), split)
     if dataset == "slake":
         return _slake(Path(data_dir or SHARED_DATA / "slake"), split)
+    if dataset == "pathvqa":
+        if data_dir is None:
+            raise ValueError("pathvqa needs its folder: pathvqa:DIR:train")
+        if split == "test":
+            raise ValueError("PathVQA test is held out (the maintainers measure on it); train on 'train'")
+        return _pathvqa(Path(data_dir), split)
     if dataset == "jsonl":
         if data_dir is None:
             raise ValueError("--data DIR is required for the jsonl dataset")
         return _jsonl(Path(data_dir), split)
-    raise ValueError(f"Unknown dataset {dataset!r}; use vqa-rad, slake or jsonl.")
+    raise ValueError(f"Unknown dataset {dataset!r}; use vqa-rad, slake, pathvqa or jsonl.")
 
 
 def load_specs(specs: list[str]) -> list[VQAExample]:
@@ -57,6 +67,16 @@ def _slake(folder: Path, split: str) -> list[VQAExample]:
     return [VQAExample(str(row["qid"]), folder / "imgs" / row["img_name"], str(row["question"]).strip(),
                        str(row["answer"]).strip(), str(row["answer_type"]).strip().upper())
             for row in rows if row.get("q_lang", "en") == "en"]
+
+
+def _pathvqa(folder: Path, split: str) -> list[VQAExample]:
+    path = folder / f"{split}.json"
+    if not path.is_file():
+        return _jsonl(folder, split)
+    rows = json.loads(path.read_text())
+    return [VQAExample(f"pathvqa-{split}-{number}", folder / Path(*str(row["image_path"]).replace("\\", "/").split("/")),
+                       str(row["question"]).strip(), str(row["answer"]).strip(),
+                       str(row["answer_type"]).strip().upper()) for number, row in enumerate(rows)]
 
 
 def _jsonl(folder: Path, split: str) -> list[VQAExample]:

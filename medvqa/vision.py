@@ -130,7 +130,12 @@ class EfficientNetLiteEncoder(VisionEncoder):
 
         self.image_size = image_size
         self.net = EfficientNet.from_name("efficientnet-lite0")
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        if str(weights_path).endswith(".safetensors"):  # the medical stage (scripts/train_encoder.py)
+            from safetensors.torch import load_file
+
+            state = load_file(str(weights_path))
+        else:  # the ImageNet weights as the pip package ships them
+            state = torch.load(weights_path, map_location="cpu", weights_only=True)
         missing, unexpected = self.net.load_state_dict(state, strict=False)
         if missing:
             raise RuntimeError(f"EfficientNet-Lite0 weights at {weights_path} lack {len(missing)} tensors")

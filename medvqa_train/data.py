@@ -21,7 +21,19 @@ from medvqa.vision import VisionEncoder
 
 
 def encoder_key(vision: VisionEncoder, settings_vision) -> str:
-    return f"{settings_vision.kind}-{Path(str(settings_vision.name_or_path)).name}-{vision.image_size}"
+    """The feature cache's folder name: encoder kind, weights file (and the start of its SHA-256, so a
+    retrained encoder of the same file name never reads an older one's features) and input size."""
+    from medvqa.config import resolve_path
+
+    name = str(settings_vision.name_or_path)
+    key = f"{settings_vision.kind}-{Path(name).name}-{vision.image_size}"
+    try:
+        path = Path(resolve_path(name))
+    except Exception:  # a hub id or a tiny: path: no local file to hash
+        return key
+    if path.is_file():
+        key += "-" + hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return key
 
 
 class FeatureCache:
@@ -140,3 +152,32 @@ def make_example(builder: PromptBuilder, example: VQAExample, features: torch.Te
     return TrainExample(features, full.token_ids[prefix:], full.image_mask[prefix:], labels[prefix:], yes_no)
 
 
+
+
+def held_out_by_content(examples: list[VQAExample], percent: float) -> tuple[list[int], list[int]]:
+    """The encoder's hold-out (--holdout-percent, scripts/train_encoder.py): every question on an image
+    whose content hash falls in the first `percent` of 100 buckets. Returns (its yes/no questions, all
+    its questions), as held_out_images does. The same images are held out of the encoder's medical
+    stage, of the projector, and of yes_bias and the calibration, whatever the dataset mix."""
+    from .medical import content_hash, held_out_hash
+
+    held: dict[Path, bool] = {}
+    left_out = []
+    for index, example in enumerate(examples):
+        if example.image not in held:
+            held[example.image] = held_out_hash(content_hash(example.image), percent)
+        if held[example.image]:
+            left_out.append(index)
+    return [i for i in left_out if _is_yes_no(examples[i])], left_out
+
+
+def held_out_split(examples: list[VQAExample], val: int, by_image: bool, seed: int,
+                   percent: float = 0.0) -> tuple[list[int], list[int]]:
+    """(watched yes/no questions, every question training leaves out), as the projector scripts'
+    --holdout-percent, --val-by-image or --val choose."""
+    if percent:
+        return held_out_by_content(examples, percent)
+    if by_image:
+        return held_out_images(examples, val, seed)
+    picked = held_out_yes_no(examples, val, seed)
+    return picked, picked

@@ -38,11 +38,10 @@ def score_held_out(args, settings) -> dict:
     from medvqa.answers import closed_candidates, closed_correct
     from medvqa.datasets import load_specs, read_image
     from medvqa.pipeline import Conversation, Done, Pipeline
-    from medvqa_train.data import held_out_images, held_out_yes_no
+    from medvqa_train.data import held_out_split
 
     examples = load_specs(args.data)
-    left_out = (held_out_images(examples, args.val, args.seed)[1] if args.val_by_image
-                else held_out_yes_no(examples, args.val, args.seed))
+    left_out = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[1]
     closed = [examples[i] for i in left_out
               if examples[i].answer_type == "CLOSED" and closed_candidates(examples[i].question)]
     settings.decoder.abstain = False
@@ -100,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the training data, as given to train_projector.py")
     parser.add_argument("--val", type=int, default=400, help="as given to train_projector.py")
     parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
+    parser.add_argument("--holdout-percent", type=float, default=0.0, help="as given to train_projector.py")
     parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
     parser.add_argument("--out", default=None, help="calibration file (default: the profile's decoder.calibration)")
     parser.add_argument("--scores", default="runs/calibrate-closed-scores.npz")

@@ -28,7 +28,7 @@ from medvqa.language_model import LanguageModel, hub_offline_env, save_plain_cop
 from medvqa.model import build_projector
 from medvqa.prompt import PromptBuilder
 from medvqa.vision import build_vision, pool_tokens
-from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_images, held_out_yes_no, make_example,
+from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_split, make_example,
                                shared_prefix_length, training_answer)
 from medvqa_train.experimental import add_lora, merge_lora
 from medvqa_train.loss import (Standardized, batch_loss, channel_statistics, lr_at, prefix_cache_tensors,
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=PROFILES, default="offline")
     parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
-                        help="DATASET:SPLIT pairs (vqa-rad, slake) or jsonl:DIR:SPLIT")
+                        help="DATASET:SPLIT pairs (vqa-rad, slake), pathvqa:DIR:train or jsonl:DIR:SPLIT")
     parser.add_argument("--out", default=None, help="output folder (default: the profile's weights folder)")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--val-by-image", action="store_true",
                         help="hold out whole images instead: every question on randomly drawn images leaves "
                              "training, and their yes/no questions (at least --val) are watched")
+    parser.add_argument("--holdout-percent", type=float, default=0.0,
+                        help="hold out every question on the images scripts/train_encoder.py held out (by content "
+                             "hash, this percentage); overrides --val and --val-by-image")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--init", default=None,
                         help="start from these projector weights (fine-tuning) instead of from scratch")
@@ -70,6 +73,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, nargs="+", default=None, metavar="N",
                         help="experimental (not shipped): show each --data spec's training examples N times an epoch, one N per spec "
                              "(e.g. --data vqa-rad:train slake:train --repeat 2 1); held-out questions stay out")
+    parser.add_argument("--limit", type=int, nargs="+", default=None, metavar="N",
+                        help="use a fixed random sample of N questions of each --data spec (0: all), e.g. "
+                             "--data vqa-rad:train slake:train pathvqa:DIR:train --limit 0 0 4000")
     parser.add_argument("--augment", type=int, default=0,
                         help="experimental (not shipped): augmented copies per image (crop, rotation, brightness, contrast); each step "
                              "shows an example the original or one of them")
@@ -86,6 +92,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     repeat = args.repeat or [1] * len(args.data)
+    limit = args.limit or [0] * len(args.data)
+    if len(limit) != len(args.data) or min(limit) < 0:
+        parser.error("--limit needs one whole number >= 0 for each --data spec")
     if len(repeat) != len(args.data) or min(repeat) < 1:
         parser.error("--repeat needs one whole number >= 1 for each --data spec")
     if args.init and (args.standardize or args.match_text_scale):
@@ -118,10 +127,14 @@ def main() -> None:
         projector.load(args.init)
     builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
 
-    examples = load_specs(args.data)
-    # Which spec each example came from (load_specs keeps the order), for --repeat.
-    spec_of = ([k for k, spec in enumerate(args.data) for _ in load_specs([spec])] if args.repeat
-               else [0] * len(examples))
+    examples, spec_of = [], []  # spec_of: which --data spec each example came from (--repeat)
+    for k, spec in enumerate(args.data):
+        from_spec = load_specs([spec])
+        if limit[k] and limit[k] < len(from_spec):
+            picked = sorted(random.Random(args.seed + 4 + k).sample(range(len(from_spec)), limit[k]))
+            from_spec = [from_spec[i] for i in picked]
+        examples += from_spec
+        spec_of += [k] * len(from_spec)
     cache = FeatureCache(Path(settings.cache_dir) / "features", vision, encoder_key(vision, settings.vision))
     prefix = shared_prefix_length(builder)
     features_by_image: dict[Path, torch.Tensor] = {}
@@ -144,15 +157,13 @@ def main() -> None:
     left_out_images: set = set()
     choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
                     for word in ("yes", "no"))
-    if args.val:
+    if args.val or args.holdout_percent:
         # A fixed sample of closed yes/no questions leaves the training set; accuracy on them with the
         # real image and with another held-out question's image shows whether the image is used.
-        if args.val_by_image:
-            picked, left_out = held_out_images(examples, args.val, args.seed)
+        picked, left_out = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)
+        if args.val_by_image or args.holdout_percent:
             print(f"held out {len(left_out)} questions on {len({examples[i].image for i in left_out})} whole "
                   f"images; {len(picked)} of them are yes/no")
-        else:
-            picked = left_out = held_out_yes_no(examples, args.val, args.seed)
         held_out = [dataclasses.replace(train[i], views=()) for i in picked]
         held_out_shuffled = [dataclasses.replace(item, features=held_out[(k + len(held_out) // 2) % len(held_out)].features)
                              for k, item in enumerate(held_out)]
@@ -188,7 +199,7 @@ def main() -> None:
         shuffled, _ = yes_no_accuracy(decoder, projector, held_out_shuffled, prefix_kv, prefix, n_tokens, choices)
         projector.train()
         tqdm.write(json.dumps({"step": step, "held_out": len(held_out),
-        "held_out_by_image": args.val_by_image, "yes_no_real": round(real, 4),
+        "held_out_by_image": args.val_by_image or bool(args.holdout_percent), "yes_no_real": round(real, 4),
                                "yes_no_shuffled": round(shuffled, 4), "answered_yes": round(yes_share, 4)}))
 
     steps_per_epoch = len(train) // args.batch_size
@@ -278,9 +289,10 @@ def main() -> None:
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
-        "held_out_by_image": args.val_by_image,
-        "held_out_images": len(left_out_images) if args.val_by_image else None,
-        "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "seed": args.seed, "init": args.init,
+        "held_out_by_image": args.val_by_image or bool(args.holdout_percent),
+        "holdout_percent": args.holdout_percent or None,
+        "held_out_images": len(left_out_images) if (args.val_by_image or args.holdout_percent) else None,
+        "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "limit": limit, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
         "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "lora": args.lora,

@@ -31,14 +31,13 @@ def score_held_out(args) -> dict[str, np.ndarray]:
     from medvqa.datasets import read_image
     from medvqa.engines import engine_label
     from medvqa.pipeline import Pipeline
-    from medvqa_train.data import held_out_images, held_out_yes_no
+    from medvqa_train.data import held_out_split
 
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
     examples = load_specs(args.data)
-    picked = (held_out_images(examples, args.val, args.seed)[0] if args.val_by_image
-              else held_out_yes_no(examples, args.val, args.seed))
+    picked = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[0]
     held_out = [examples[i] for i in picked]
     pipeline = Pipeline.load(settings, with_retrieval=False)
     images = [read_image(example.image) for example in held_out]
@@ -70,6 +69,7 @@ def main() -> None:
                         help="the training data, as given to train_projector.py")
     parser.add_argument("--val", type=int, default=300, help="held-out questions, as given to train_projector.py")
     parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
+    parser.add_argument("--holdout-percent", type=float, default=0.0, help="as given to train_projector.py")
     parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
     parser.add_argument("--yes-bias", type=float, nargs="+",
                         default=[0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5])
