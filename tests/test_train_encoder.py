@@ -162,3 +162,17 @@ def test_the_feature_cache_key_follows_the_weights_content(tmp_path):
 
     keys = {encoder_key(Vision(), VisionConfig(name_or_path=str(path))) for path in (first, second)}
     assert len(keys) == 2
+
+
+def test_export_holdout_writes_one_benchmark_per_dataset_with_one_path_per_image(tmp_path):
+    import export_holdout
+
+    _pathvqa_folder(tmp_path / "path")
+    out = tmp_path / "holdout"
+    assert export_holdout.main(["--data", f"pathvqa:{tmp_path / 'path'}:train", "--holdout-percent", "100",
+                                "--out", str(out)]) == 0
+    examples = load_examples("jsonl", out, "heldout-pathvqa")
+    assert len(examples) == 5  # every question: all images are held out at 100 %
+    # pathvqa_00004.jpg holds pathvqa_00000.jpg's bytes: both questions name one file.
+    assert len({e.image for e in examples}) == 4
+    assert all(e.image.is_absolute() and e.image.is_file() for e in examples)
