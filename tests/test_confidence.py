@@ -10,6 +10,7 @@ import pytest
 
 from medvqa.confidence import (CHOICE, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
                                question_kind, reliability)
+from .conftest import load_script
 from medvqa.pipeline import Conversation, Done, Token
 
 
@@ -93,8 +94,6 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     """The script end to end on a tiny training split laid out like the public ones (tiny profile)."""
     from PIL import Image
 
-    from .conftest import load_script
-
     data = tmp_path / "bench"
     (data / "images").mkdir(parents=True)
     rows = []
@@ -117,7 +116,39 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     assert fitted["val_by_image"] and fitted["images"] >= 2 and fitted["by_kind"] == {YES_NO: fitted["images"],
                                                                                       CHOICE: fitted["images"]}
     assert saved["out_of_fold"]["min_confidence"] == tiny_settings.decoder.min_confidence
+    assert saved["threshold"]["target_accuracy"] == 0.8 and isinstance(saved["threshold"]["met"], bool)
+    assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0
     assert load_calibration(str(out)).fits  # the app reads what the script wrote
     # --reuse refits from the saved scores without the model.
     assert script.main(["--reuse", "--out", str(out), "--scores", str(tmp_path / "scores.npz"),
                         "--val-by-image"]) == 0
+
+
+def _bins_of_ten(right_per_bin=(5, 6, 9, 10), confidences=(0.55, 0.65, 0.75, 0.85)):
+    """Ten questions at each out-of-fold confidence, `right_per_bin` of them right."""
+    confidence = np.repeat(confidences, 10)
+    correct = np.concatenate([np.arange(10) < right for right in right_per_bin])
+    return confidence, correct
+
+
+def test_the_threshold_is_the_lowest_that_reaches_the_target_out_of_fold():
+    script = load_script("calibrate_closed")
+    confidence, correct = _bins_of_ten()
+    # Answering all: 30/40 right; from above 0.55: 25/30, the target reached with the most answered.
+    chosen = script.choose_threshold(confidence, correct, target=0.8)
+    assert chosen == {"target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": 0.56,
+                      "met": True, "answered_share_out_of_fold": 0.75, "accuracy_answered_out_of_fold": 0.8333}
+    # 19/20 above 0.65, 10/10 above 0.75: too few answered to count as measured.
+    assert not script.choose_threshold(confidence, correct, target=0.96)["met"]
+    curve = script.risk_coverage(confidence, correct)  # one point per distinct confidence, highest first
+    assert curve == {"min_confidence": [0.85, 0.75, 0.65, 0.55], "coverage": [0.25, 0.5, 0.75, 1.0],
+                     "accuracy_answered": [1.0, 0.95, 0.8333, 0.75]}
+    # A margin that says nothing about being right: no out-of-fold threshold reaches the target.
+    rng = np.random.default_rng(0)
+    scores = {"margin": rng.uniform(0, 2, 400), "kind": np.full(400, YES_NO), "correct": rng.random(400) < 0.6,
+              "image": np.asarray([f"{n % 80}.png" for n in range(400)])}
+    held = script.out_of_fold(scores)
+    assert script.choose_threshold(held, scores["correct"], target=0.8) == {
+        "target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": None, "met": False,
+        "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
+
