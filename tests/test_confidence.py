@@ -152,3 +152,56 @@ def test_the_threshold_is_the_lowest_that_reaches_the_target_out_of_fold():
         "target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": None, "met": False,
         "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
+
+def _out_of_fold_meta(threshold: dict | None = None) -> dict:
+    confidence, correct = _bins_of_ten()
+    return {"out_of_fold": {"min_confidence": 0.7, "answered": 0.5, "accuracy_answered": 0.95,
+                            "reliability": reliability(confidence, correct)},
+            **({"threshold": threshold} if threshold else {})}
+
+
+def test_a_chosen_threshold_replaces_min_confidence_and_older_files_still_load(tmp_path):
+    older = tmp_path / "older.json"  # written before the out-of-fold table and the threshold
+    older.write_text(json.dumps({"fits": {YES_NO: {"a": 1.0, "b": 0.0}}, "fitted_on": {"questions": 3}}))
+    calibration = load_calibration(str(older))
+    assert calibration.min_confidence(0.7) == 0.7 and calibration.held_out(0.65) is None
+    verdict = calibration.judge({"yes": -0.5, "no": -0.6}, min_confidence=0.7)
+    assert verdict.held_out is None and verdict.record()["held_out"] is None
+    assert "estimated 52% likely to be right" in leaning_text(verdict)  # as before
+
+    chosen = {"target_accuracy": 0.8, "min_confidence": 0.56, "met": True}
+    calibration = Calibration({YES_NO: (1.0, 0.0)}, _out_of_fold_meta(chosen))
+    assert calibration.min_confidence(0.7) == 0.56
+    assert calibration.min_confidence(0.7, from_calibration=False) == 0.7
+    missed = Calibration({YES_NO: (1.0, 0.0)}, _out_of_fold_meta(dict(chosen, min_confidence=None, met=False)))
+    assert missed.min_confidence(0.7) == 0.7  # no threshold met the target: the configured one
+
+
+def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch):
+    from medvqa.ui.render import _confidence_html
+    from medvqa.ui.transcript import export_markdown
+
+    calibration = Calibration({YES_NO: (0.0, 0.4), CHOICE: (0.0, 0.4)}, _out_of_fold_meta())  # all 0.599
+    assert calibration.held_out(0.599) == {"bin": "0.5-0.6", "accuracy": 0.5, "n": 10}
+    assert calibration.held_out(0.85)["bin"] == "0.8-0.9" and calibration.held_out(0.95) is None  # no such answer
+    top = Calibration(meta={"out_of_fold": {"reliability": reliability([0.95, 1.0], [True, False])}})
+    assert top.held_out(1.0) == {"bin": "0.9-1.0", "accuracy": 0.5, "n": 2}  # the last bin holds 1.0
+    monkeypatch.setattr(tiny_pipeline, "calibration", calibration)
+    shown = "answers like this were right 50 % of the time on held-out training images (n = 10)"
+    done = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
+    assert done.closed["abstained"] and done.closed["held_out"]["n"] == 10
+    assert shown in done.answer and "leans to" in done.answer
+    assert _confidence_html(done.closed) == f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {shown}.</div>'
+    assert _confidence_html(dict(done.closed, abstained=False)) == f'<div class="medvqa-confidence">Confidence: {shown}.</div>'
+    record = {"notice": "n", "exported_at": "t", "profile": "tiny", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": "Is the heart enlarged?", "answer": done.answer, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [], "closed": {"choice": "yes", "abstained": True,
+                                                                       "confidence": 0.599,
+                                                                       "held_out": done.closed["held_out"]}}]}
+    assert f"- Confidence: {shown}; not answered (uncertain)" in export_markdown(record)
+    # A threshold chosen out of fold below that confidence: answered, unless the setting says otherwise.
+    monkeypatch.setattr(calibration, "meta", _out_of_fold_meta({"min_confidence": 0.56, "met": True}))
+    assert not _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
+    monkeypatch.setattr(tiny_pipeline.settings.decoder, "threshold_from_calibration", False)
+    assert _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
+
