@@ -205,3 +205,25 @@ def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch
     monkeypatch.setattr(tiny_pipeline.settings.decoder, "threshold_from_calibration", False)
     assert _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
 
+
+def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
+    import xml.etree.ElementTree as ElementTree
+
+    script = load_script("calibrate_closed")
+    confidence, correct = _bins_of_ten()
+    meta = _out_of_fold_meta(script.choose_threshold(confidence, correct, target=0.8))
+    meta["out_of_fold"]["risk_coverage"] = script.risk_coverage(confidence, correct)
+    path = tmp_path / "calibration.json"
+    Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
+    plot = load_script("plot_calibration")
+    assert plot.main([str(path), "-o", str(tmp_path / "calibration.svg")]) == 0
+    root = ElementTree.parse(tmp_path / "calibration.svg").getroot()
+    svg = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{svg}svg" and len(root.findall(f"{svg}polyline")) == 2  # reliability, risk-coverage
+    texts = [text.text for text in root.iter(f"{svg}text")]
+    assert "n = 10" in texts and "chosen min_confidence 0.56" in texts
+    # An older file (no curve, no threshold): the reliability panel alone.
+    del meta["out_of_fold"]["risk_coverage"], meta["threshold"]
+    Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
+    assert plot.main([str(path), "-o", str(tmp_path / "older.svg")]) == 0
+    assert len(ElementTree.parse(tmp_path / "older.svg").getroot().findall(f"{svg}polyline")) == 1
