@@ -13,8 +13,14 @@ file beside the projector:
 
 Below `decoder.min_confidence` the app answers "Uncertain — the model cannot tell from this image"
 and shows the option it leans to, instead of a coin flip presented as an answer
-(`decoder.abstain = false` turns that off). A profile without a calibration file shows no confidence
-and never abstains: there is nothing measured to base either on.
+(`decoder.abstain = false` turns that off). The script also chooses that threshold out of fold (the
+lowest at which answered questions reach a target accuracy); a file holding such a choice replaces
+`decoder.min_confidence` unless `decoder.threshold_from_calibration = false`. A profile without a
+calibration file shows no confidence and never abstains: there is nothing measured to base either on.
+
+The clinician is not shown the fit's own probability but how often answers with such a confidence
+were right on held-out training images, scored by a fit that had not seen them (the out-of-fold
+reliability table the script stores, `Verdict.held_out`): the in-sample fit grades its own homework.
 """
 
 from __future__ import annotations
@@ -51,11 +57,14 @@ class Verdict:
     kind: str  # YES_NO or CHOICE
     confidence: float | None  # calibrated probability that `choice` is right; None without calibration
     abstained: bool  # the app says "Uncertain" and shows `choice` as the leaning
+    # {"bin", "accuracy", "n"}: how often answers in `confidence`'s bin were right out of fold
+    # (Calibration.held_out); None for a file without that table, or a bin no held-out answer fell in.
+    held_out: dict | None = None
 
     def record(self) -> dict:
         return {"choice": self.choice, "margin": round(self.margin, 4), "kind": self.kind,
                 "confidence": None if self.confidence is None else round(self.confidence, 4),
-                "abstained": self.abstained}
+                "abstained": self.abstained, "held_out": self.held_out}
 
 
 @dataclass
@@ -83,12 +92,32 @@ class Calibration:
             return None
         return _sigmoid(fit[0] * margin + fit[1])
 
+    def held_out(self, confidence: float | None) -> dict | None:
+        """The out-of-fold reliability bin `confidence` falls in, as {"bin", "accuracy", "n"}; None
+        when the file has no such table (files older than it) or no held-out answer fell in that bin."""
+        if confidence is None:
+            return None
+        for row in self.meta.get("out_of_fold", {}).get("reliability", []):
+            low, high = (float(edge) for edge in row["bin"].split("-"))
+            if low <= confidence and (confidence < high or high >= 1.0):  # as reliability() bins
+                return {"bin": row["bin"], "accuracy": float(row["accuracy"]), "n": int(row["n"])}
+        return None
+
+    def min_confidence(self, configured: float, from_calibration: bool = True) -> float:
+        """The confidence below which the app abstains: the threshold the script chose out of fold,
+        when `from_calibration` and the file holds one that met its target accuracy; else `configured`
+        (decoder.min_confidence)."""
+        chosen = self.meta.get("threshold", {})
+        if from_calibration and chosen.get("met") and chosen.get("min_confidence") is not None:
+            return float(chosen["min_confidence"])
+        return configured
+
     def judge(self, scores: dict[str, float], min_confidence: float, abstain: bool = True) -> Verdict:
         choice, margin = ranked(scores)
         kind = question_kind(scores)
         confidence = self.confidence(margin, kind)
         abstained = bool(abstain and confidence is not None and confidence < min_confidence)
-        return Verdict(choice, margin, kind, confidence, abstained)
+        return Verdict(choice, margin, kind, confidence, abstained, self.held_out(confidence))
 
 
 def load_calibration(path: str) -> Calibration:
@@ -139,8 +168,17 @@ def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) 
 
 def leaning_text(verdict: Verdict) -> str:
     """The answer shown instead of a closed answer the model cannot be trusted on."""
+    if verdict.held_out is not None:
+        return (f"Uncertain — the model cannot tell from this image (it leans to {verdict.choice.capitalize()}; "
+                f"{held_out_text(verdict.held_out)}).")
     return (f"Uncertain — the model cannot tell from this image (it leans to {verdict.choice.capitalize()}, "
             f"estimated {verdict.confidence:.0%} likely to be right).")
+
+
+def held_out_text(held_out: dict) -> str:
+    """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
+    return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
+            f"training images (n = {held_out['n']})")
 
 
 def _sigmoid(z: float) -> float:

@@ -88,6 +88,9 @@ class DecoderConfig:
     calibration: str = ""
     min_confidence: float = 0.7
     abstain: bool = True
+    # A calibration file holding a threshold the script chose out of fold that met its target
+    # accuracy: that threshold replaces min_confidence (false: min_confidence always).
+    threshold_from_calibration: bool = True
     window_in_prompt: bool = True  # tell the decoder which window the scan is shown with (formats that allow it)
     # How the chat becomes prompt text (prompt.FORMATS): "chat_template" (the tokenizer's, with the app's
     # rules as system message) or "mistral_instruct" (LLaVA-Med v1.5's, rendered as its reference does).

@@ -287,7 +287,8 @@ class Pipeline:
             # Closed question: the best of the options it names (structured output), no free text.
             choice, scores = self._option_scores(request, candidates)
             decoder = self.settings.decoder
-            verdict = self.calibration.judge(scores, decoder.min_confidence, decoder.abstain)
+            threshold = self.calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+            verdict = self.calibration.judge(scores, threshold, decoder.abstain)
             closed = {"options": scores, **verdict.record()}
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])

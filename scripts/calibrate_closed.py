@@ -12,7 +12,11 @@ split. The fit is written to --out with where it came from; the scores are kept 
 
 Besides the in-sample reliability table, it reports the fit out of sample: 5 folds by image, each
 fitted on the other four, give each question a confidence it was not fitted on; the share answered
-and their accuracy at decoder.min_confidence come from those. The last line is JSON.
+and their accuracy at decoder.min_confidence, the reliability table the app shows the clinician, and
+the risk-coverage curve come from those. From the same confidences it chooses the abstention
+threshold: the lowest on a grid (0.50-0.95) at which the answered questions (20 at least) are right
+at least --target-accuracy of the time, so the most are answered at that accuracy; when none reaches
+it the file says so and the app keeps decoder.min_confidence. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from medvqa.config import PROFILES, load_settings
 from medvqa.confidence import Calibration, fit_platt, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
+THRESHOLDS = np.round(np.arange(50, 96) / 100, 2)  # the abstention thresholds the choice is made from
+MIN_ANSWERED = 20  # a threshold answering fewer questions than this measures no accuracy: not chosen
 
 
 def score_held_out(args, settings) -> dict:
@@ -91,6 +97,35 @@ def summary_at(confidence: np.ndarray, correct: np.ndarray, threshold: float) ->
             "accuracy_all": round(float(correct.mean()), 4)}
 
 
+def risk_coverage(confidence: np.ndarray, correct: np.ndarray) -> dict:
+    """Answering only the questions at or above each confidence, highest first: the share answered and
+    their accuracy. One point per distinct confidence, since no threshold can split a tie."""
+    order = np.argsort(-confidence, kind="stable")
+    ranked_confidence, ranked_correct = confidence[order], correct[order].astype(np.float64)
+    answered = np.arange(1, len(order) + 1)
+    last_of_tie = np.append(ranked_confidence[1:] != ranked_confidence[:-1], True)
+    return {"min_confidence": np.round(ranked_confidence[last_of_tie], 4).tolist(),
+            "coverage": np.round(answered[last_of_tie] / len(order), 4).tolist(),
+            "accuracy_answered": np.round((np.cumsum(ranked_correct) / answered)[last_of_tie], 4).tolist()}
+
+
+def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float) -> dict:
+    """The lowest threshold in THRESHOLDS at which the answered questions' accuracy reaches `target`:
+    the share answered only falls as the threshold rises (their accuracy need not rise), so it answers
+    the most at that accuracy. On out-of-fold confidences, so the fit does not grade itself; and on at
+    least MIN_ANSWERED answered questions, so that a lucky handful does not pass for a measured accuracy."""
+    for threshold in THRESHOLDS:
+        kept = confidence >= threshold
+        if kept.sum() >= MIN_ANSWERED and correct[kept].mean() >= target:
+            at = summary_at(confidence, correct, threshold)
+            return {"target_accuracy": target, "min_answered": MIN_ANSWERED, "min_confidence": float(threshold),
+                    "met": True,
+                    "answered_share_out_of_fold": at["answered"],
+                    "accuracy_answered_out_of_fold": at["accuracy_answered"]}
+    return {"target_accuracy": target, "min_answered": MIN_ANSWERED, "min_confidence": None, "met": False,
+            "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
@@ -104,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="calibration file (default: the profile's decoder.calibration)")
     parser.add_argument("--scores", default="runs/calibrate-closed-scores.npz")
     parser.add_argument("--reuse", action="store_true", help="refit from the saved scores")
+    parser.add_argument("--target-accuracy", type=float, default=0.8,
+                        help="the out-of-fold accuracy of answered questions the abstention threshold is chosen for")
     args = parser.parse_args(argv)
     if not args.val_by_image:
         print("warning: without --val-by-image the held-out questions share images with training; "
@@ -123,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = fit(margin, kind, correct)
     in_sample = np.asarray([calibration.confidence(float(m), str(k)) for m, k in zip(margin, kind)])
     held = out_of_fold({**scores, "margin": margin, "correct": correct})
-    threshold = settings.decoder.min_confidence
+    configured = settings.decoder.min_confidence
     projector = Path(settings.projector.weights)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image, "seed": args.seed,
@@ -132,16 +169,22 @@ def main(argv: list[str] | None = None) -> int:
         "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
         "yes_bias": settings.decoder.yes_bias,
         "reliability_in_sample": reliability(in_sample, correct),
-        "out_of_fold": {"min_confidence": threshold, **summary_at(held, correct, threshold),
-                        "reliability": reliability(held, correct)},
+        "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
+                        "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
+        "threshold": choose_threshold(held, correct, args.target_accuracy),
         "command": "python " + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     calibration.save(out)
     print(f"{len(correct)} held-out closed questions on {calibration.meta['fitted_on']['images']} images; "
           f"accuracy {correct.mean():.3f}; written to {out}", file=sys.stderr)
+    if not calibration.meta["threshold"]["met"]:
+        print(f"no threshold up to {THRESHOLDS[-1]} reaches an out-of-fold accuracy of {args.target_accuracy} on "
+              f"{MIN_ANSWERED} or more answered questions: the app keeps decoder.min_confidence ({configured})",
+              file=sys.stderr)
+    summary = {key: value for key, value in calibration.meta["out_of_fold"].items() if key != "risk_coverage"}
     print(json.dumps({"fits": {k: {"a": round(a, 4), "b": round(b, 4)} for k, (a, b) in calibration.fits.items()},
-                      "out_of_fold": calibration.meta["out_of_fold"]}))
+                      "out_of_fold": summary, "threshold": calibration.meta["threshold"]}))
     return 0
 
 

@@ -18,8 +18,8 @@ question alone and for the question with the *reference* answer. The last line i
 - risk_coverage: {"1.0", "0.75", "0.5"}: closed accuracy (of the option chosen, or leaned to when the
   app abstained) over the answers with the highest calibrated confidence (medvqa/confidence.py; the
   option margin without a calibration) at those coverages; abstention_rate: the share of closed
-  answers given as "Uncertain" at the profile's decoder.min_confidence, accuracy_answered: accuracy
-  over the rest;
+  answers given as "Uncertain" at min_confidence (the profile's decoder.min_confidence, or the
+  threshold its calibration file chose), accuracy_answered: accuracy over the rest;
 - image_reliance: {"flagged", "accuracy_flagged", "accuracy_unflagged"} over closed answers.
 """
 
@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "abstention_rate": round(sum(a for a, _ in answered_rows) / len(answered_rows), 4) if answered_rows else None,
         "accuracy_answered": (round(sum(c for a, c in answered_rows if not a) / answered, 4)
                               if (answered := sum(not a for a, _ in answered_rows)) else None),
-        "min_confidence": settings.decoder.min_confidence if pipeline.calibration.fits else None,
+        "min_confidence": (pipeline.calibration.min_confidence(settings.decoder.min_confidence,
+                                                               settings.decoder.threshold_from_calibration)
+                           if pipeline.calibration.fits else None),
         "image_reliance": {"flagged": round(len(flagged) / max(1, len(reliance_rows)), 4),
                            "accuracy_flagged": round(sum(flagged) / len(flagged), 4) if flagged else None,
                            "accuracy_unflagged": round(sum(unflagged) / len(unflagged), 4) if unflagged else None},

@@ -10,6 +10,7 @@ import pytest
 
 from medvqa.confidence import (CHOICE, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
                                question_kind, reliability)
+from .conftest import load_script
 from medvqa.pipeline import Conversation, Done, Token
 
 
@@ -93,8 +94,6 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     """The script end to end on a tiny training split laid out like the public ones (tiny profile)."""
     from PIL import Image
 
-    from .conftest import load_script
-
     data = tmp_path / "bench"
     (data / "images").mkdir(parents=True)
     rows = []
@@ -117,7 +116,114 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     assert fitted["val_by_image"] and fitted["images"] >= 2 and fitted["by_kind"] == {YES_NO: fitted["images"],
                                                                                       CHOICE: fitted["images"]}
     assert saved["out_of_fold"]["min_confidence"] == tiny_settings.decoder.min_confidence
+    assert saved["threshold"]["target_accuracy"] == 0.8 and isinstance(saved["threshold"]["met"], bool)
+    assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0
     assert load_calibration(str(out)).fits  # the app reads what the script wrote
     # --reuse refits from the saved scores without the model.
     assert script.main(["--reuse", "--out", str(out), "--scores", str(tmp_path / "scores.npz"),
                         "--val-by-image"]) == 0
+
+
+def _bins_of_ten(right_per_bin=(5, 6, 9, 10), confidences=(0.55, 0.65, 0.75, 0.85)):
+    """Ten questions at each out-of-fold confidence, `right_per_bin` of them right."""
+    confidence = np.repeat(confidences, 10)
+    correct = np.concatenate([np.arange(10) < right for right in right_per_bin])
+    return confidence, correct
+
+
+def test_the_threshold_is_the_lowest_that_reaches_the_target_out_of_fold():
+    script = load_script("calibrate_closed")
+    confidence, correct = _bins_of_ten()
+    # Answering all: 30/40 right; from above 0.55: 25/30, the target reached with the most answered.
+    chosen = script.choose_threshold(confidence, correct, target=0.8)
+    assert chosen == {"target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": 0.56,
+                      "met": True, "answered_share_out_of_fold": 0.75, "accuracy_answered_out_of_fold": 0.8333}
+    # 19/20 above 0.65, 10/10 above 0.75: too few answered to count as measured.
+    assert not script.choose_threshold(confidence, correct, target=0.96)["met"]
+    curve = script.risk_coverage(confidence, correct)  # one point per distinct confidence, highest first
+    assert curve == {"min_confidence": [0.85, 0.75, 0.65, 0.55], "coverage": [0.25, 0.5, 0.75, 1.0],
+                     "accuracy_answered": [1.0, 0.95, 0.8333, 0.75]}
+    # A margin that says nothing about being right: no out-of-fold threshold reaches the target.
+    rng = np.random.default_rng(0)
+    scores = {"margin": rng.uniform(0, 2, 400), "kind": np.full(400, YES_NO), "correct": rng.random(400) < 0.6,
+              "image": np.asarray([f"{n % 80}.png" for n in range(400)])}
+    held = script.out_of_fold(scores)
+    assert script.choose_threshold(held, scores["correct"], target=0.8) == {
+        "target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": None, "met": False,
+        "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
+
+
+def _out_of_fold_meta(threshold: dict | None = None) -> dict:
+    confidence, correct = _bins_of_ten()
+    return {"out_of_fold": {"min_confidence": 0.7, "answered": 0.5, "accuracy_answered": 0.95,
+                            "reliability": reliability(confidence, correct)},
+            **({"threshold": threshold} if threshold else {})}
+
+
+def test_a_chosen_threshold_replaces_min_confidence_and_older_files_still_load(tmp_path):
+    older = tmp_path / "older.json"  # written before the out-of-fold table and the threshold
+    older.write_text(json.dumps({"fits": {YES_NO: {"a": 1.0, "b": 0.0}}, "fitted_on": {"questions": 3}}))
+    calibration = load_calibration(str(older))
+    assert calibration.min_confidence(0.7) == 0.7 and calibration.held_out(0.65) is None
+    verdict = calibration.judge({"yes": -0.5, "no": -0.6}, min_confidence=0.7)
+    assert verdict.held_out is None and verdict.record()["held_out"] is None
+    assert "estimated 52% likely to be right" in leaning_text(verdict)  # as before
+
+    chosen = {"target_accuracy": 0.8, "min_confidence": 0.56, "met": True}
+    calibration = Calibration({YES_NO: (1.0, 0.0)}, _out_of_fold_meta(chosen))
+    assert calibration.min_confidence(0.7) == 0.56
+    assert calibration.min_confidence(0.7, from_calibration=False) == 0.7
+    missed = Calibration({YES_NO: (1.0, 0.0)}, _out_of_fold_meta(dict(chosen, min_confidence=None, met=False)))
+    assert missed.min_confidence(0.7) == 0.7  # no threshold met the target: the configured one
+
+
+def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch):
+    from medvqa.ui.render import _confidence_html
+    from medvqa.ui.transcript import export_markdown
+
+    calibration = Calibration({YES_NO: (0.0, 0.4), CHOICE: (0.0, 0.4)}, _out_of_fold_meta())  # all 0.599
+    assert calibration.held_out(0.599) == {"bin": "0.5-0.6", "accuracy": 0.5, "n": 10}
+    assert calibration.held_out(0.85)["bin"] == "0.8-0.9" and calibration.held_out(0.95) is None  # no such answer
+    top = Calibration(meta={"out_of_fold": {"reliability": reliability([0.95, 1.0], [True, False])}})
+    assert top.held_out(1.0) == {"bin": "0.9-1.0", "accuracy": 0.5, "n": 2}  # the last bin holds 1.0
+    monkeypatch.setattr(tiny_pipeline, "calibration", calibration)
+    shown = "answers like this were right 50 % of the time on held-out training images (n = 10)"
+    done = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
+    assert done.closed["abstained"] and done.closed["held_out"]["n"] == 10
+    assert shown in done.answer and "leans to" in done.answer
+    assert _confidence_html(done.closed) == f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {shown}.</div>'
+    assert _confidence_html(dict(done.closed, abstained=False)) == f'<div class="medvqa-confidence">Confidence: {shown}.</div>'
+    record = {"notice": "n", "exported_at": "t", "profile": "tiny", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": "Is the heart enlarged?", "answer": done.answer, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [], "closed": {"choice": "yes", "abstained": True,
+                                                                       "confidence": 0.599,
+                                                                       "held_out": done.closed["held_out"]}}]}
+    assert f"- Confidence: {shown}; not answered (uncertain)" in export_markdown(record)
+    # A threshold chosen out of fold below that confidence: answered, unless the setting says otherwise.
+    monkeypatch.setattr(calibration, "meta", _out_of_fold_meta({"min_confidence": 0.56, "met": True}))
+    assert not _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
+    monkeypatch.setattr(tiny_pipeline.settings.decoder, "threshold_from_calibration", False)
+    assert _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
+
+
+def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
+    import xml.etree.ElementTree as ElementTree
+
+    script = load_script("calibrate_closed")
+    confidence, correct = _bins_of_ten()
+    meta = _out_of_fold_meta(script.choose_threshold(confidence, correct, target=0.8))
+    meta["out_of_fold"]["risk_coverage"] = script.risk_coverage(confidence, correct)
+    path = tmp_path / "calibration.json"
+    Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
+    plot = load_script("plot_calibration")
+    assert plot.main([str(path), "-o", str(tmp_path / "calibration.svg")]) == 0
+    root = ElementTree.parse(tmp_path / "calibration.svg").getroot()
+    svg = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{svg}svg" and len(root.findall(f"{svg}polyline")) == 2  # reliability, risk-coverage
+    texts = [text.text for text in root.iter(f"{svg}text")]
+    assert "n = 10" in texts and "chosen min_confidence 0.56" in texts
+    # An older file (no curve, no threshold): the reliability panel alone.
+    del meta["out_of_fold"]["risk_coverage"], meta["threshold"]
+    Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
+    assert plot.main([str(path), "-o", str(tmp_path / "older.svg")]) == 0
+    assert len(ElementTree.parse(tmp_path / "older.svg").getroot().findall(f"{svg}polyline")) == 1

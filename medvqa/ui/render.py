@@ -13,6 +13,7 @@ import html
 import re
 from typing import TYPE_CHECKING
 
+from ..confidence import held_out_text
 from ..safe_text import inert, safe_url
 
 if TYPE_CHECKING:
@@ -71,6 +72,11 @@ def _confidence_html(closed: dict) -> str:
     if closed.get("confidence") is None:
         return ('<div class="medvqa-confidence">Confidence: not measured for this model (no calibration), so '
                 'treat this answer as unverified.</div>')
+    if closed.get("held_out"):  # the out-of-fold reliability, from files that carry it
+        measured = held_out_text(closed["held_out"])
+        if closed.get("abstained"):
+            return f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {measured}.</div>'
+        return f'<div class="medvqa-confidence">Confidence: {measured}.</div>'
     share = f"{100 * closed['confidence']:.0f} %"
     if closed.get("abstained"):
         return (f'<div class="medvqa-confidence medvqa-uncertain">Not answered: the option it leans to is '

@@ -122,7 +122,8 @@ class _Answer:
                 "citations": [dict(_citation(n, p), support=mark[0] if mark else "related")
                               for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
-                               "confidence": self.closed["confidence"]}}
+                               "confidence": self.closed["confidence"],
+                               **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {})}}
                    if self.closed and "kind" in self.closed else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}

@@ -18,6 +18,7 @@ import html
 import json
 from typing import TYPE_CHECKING
 
+from ..confidence import held_out_text
 from ..safe_text import inert, safe_url
 from .render import _escape_model_text
 
@@ -70,8 +71,10 @@ def export_markdown(record: dict) -> str:
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
         if turn.get("closed"):
-            confidence = turn["closed"]["confidence"]
-            lines += [f"- Confidence: {'not measured' if confidence is None else f'{100 * confidence:.0f} %'}"
+            confidence, held_out = turn["closed"]["confidence"], turn["closed"].get("held_out")
+            shown = (held_out_text(held_out) if held_out else
+                     "not measured" if confidence is None else f"{100 * confidence:.0f} %")
+            lines += [f"- Confidence: {shown}"
                       + ("; not answered (uncertain)" if turn["closed"]["abstained"] else "")
                       + ("; the same answer without the image" if turn.get("image_reliance", {}).get("flagged") else ""),
                       ""]
