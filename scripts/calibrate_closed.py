@@ -126,6 +126,13 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float)
             "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
 
+def distinct_images(paths: list[str]) -> int:
+    """Images by content: PathVQA repeats one image under many file names."""
+    from medvqa_train.medical import content_hash
+
+    return len({content_hash(path) if Path(path).is_file() else path for path in set(paths)})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-accuracy", type=float, default=0.8,
                         help="the out-of-fold accuracy of answered questions the abstention threshold is chosen for")
     args = parser.parse_args(argv)
-    if not args.val_by_image:
+    if not args.val_by_image and not args.holdout_percent:
         print("warning: without --val-by-image the held-out questions share images with training; "
               "the confidence will be too high on new images", file=sys.stderr)
 
@@ -163,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     configured = settings.decoder.min_confidence
     projector = Path(settings.projector.weights)
     calibration.meta = {
-        "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image, "seed": args.seed,
-                      "questions": int(len(correct)), "images": int(len(set(scores["image"].tolist()))),
+        "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
+                      "holdout_percent": args.holdout_percent or None, "seed": args.seed,
+                      "questions": int(len(correct)), "images": distinct_images(scores["image"].tolist()),
                       "by_kind": {name: int((kind == name).sum()) for name in ("yes/no", "choice")}},
         "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
         "yes_bias": settings.decoder.yes_bias,

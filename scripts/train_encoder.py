@@ -398,7 +398,8 @@ def main(argv=None) -> int:
         "start": args.encoder_weights,
         "start_sha256": hashlib.sha256(Path(resolve_path(args.encoder_weights)).read_bytes()).hexdigest(),
         "encoder_sha256": hashlib.sha256((out_dir / "encoder.safetensors").read_bytes()).hexdigest(),
-        "data": {str(path): hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in sources},
+        "data": {f"{Path(path).parent.name}/{Path(path).name}": hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                 for path in sources},
         "images": {source: sum(r.source == source for r in records) for source in ("slake", "vqa-rad", "pathvqa")},
         "images_sha256": hashlib.sha256("\n".join(r.key for r in records).encode()).hexdigest(),
         "slake_annotations": bool(args.slake_annotations),

