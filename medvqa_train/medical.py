@@ -99,24 +99,14 @@ def load_vqa_rad(folder: Path, records: dict[str, ImageRecord]) -> None:
 
 
 def load_pathvqa(folder: Path, records: dict[str, ImageRecord]) -> None:
-    """PathVQA train in either layout:
-    - `folder/train.json` (rows with `image_path` like `images\\train\\pathvqa_00000.jpg`, `question`,
-      `answer`, `answer_type`) beside `folder/images/train/` (the BTIA-AD-Net repository's layout);
-    - `folder/train.jsonl` (`image`, `question`, `answer`) with images under `folder/images/`:
-      MedVQA's JSONL format, into which the Hugging Face copies' train split converts.
-    Never the test split."""
-    if (folder / "train.json").is_file():
-        rows = json.loads((folder / "train.json").read_text())
-        items = [(folder / Path(*row["image_path"].replace("\\", "/").split("/")), row) for row in rows]
-    else:
-        rows = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines() if line.strip()]
-        items = [(folder / "images" / row["image"], row) for row in rows]
-    for path, row in items:
-        record = _add(records, path, "pathvqa")
+    """PathVQA train, in either layout medvqa.datasets reads (`pathvqa:DIR:train`); never the test split."""
+    from medvqa.datasets import load_examples
+
+    for example in load_examples("pathvqa", folder, "train"):
+        record = _add(records, example.image, "pathvqa")
         record.modality = MODALITIES.index("pathology")
-        answer = str(row["answer"]).strip()
-        closed = str(row.get("answer_type", "")).strip().upper() == "CLOSED" or normalise(answer) in ("yes", "no")
-        record.questions.append((str(row["question"]).strip(), answer, closed))
+        closed = example.answer_type == "CLOSED" or normalise(example.answer) in ("yes", "no")
+        record.questions.append((example.question, example.answer, closed))
 
 
 def organ_cells(boxes: list[tuple[float, float, float, float]], width: int, height: int) -> list[int]:

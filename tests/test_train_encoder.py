@@ -17,7 +17,7 @@ from medvqa.config import VisionConfig, resolve_path
 from medvqa.datasets import VQAExample, load_examples
 from medvqa.vision import EfficientNetLiteEncoder
 from medvqa_train.data import encoder_key, held_out_by_content, held_out_split
-from medvqa_train.medical import content_hash, held_out_hash, load_pathvqa, organ_cells
+from medvqa_train.medical import held_out_hash, load_pathvqa, organ_cells
 
 from .conftest import REPO
 
@@ -61,7 +61,7 @@ def test_the_hold_out_is_by_image_content_whatever_the_file_name(tmp_path):
     # A stable rule: the same digest always lands the same way, and about the share asked for.
     digests = [format(k * 2654435761 % 2**32, "08x") + "0" * 56 for k in range(2000)]
     share = sum(held_out_hash(d, 15.0) for d in digests) / len(digests)
-    assert 0.12 < share < 0.18 and held_out_hash(content_hash(tmp_path / "3.jpg"), 15.0) in (True, False)
+    assert 0.12 < share < 0.18
 
 
 def _pathvqa_folder(root):
@@ -139,16 +139,10 @@ def test_train_encoder_end_to_end_to_weights_the_offline_encoder_loads(tmp_path)
     heads = load_file(str(out / "encoder_heads.safetensors"))
     assert "answer.3.weight" in heads
 
-    # Resuming after the last epoch retrains nothing and writes the same network.
+    # Resuming after the last epoch retrains nothing and writes the same network, byte for byte.
     before = (out / "encoder.safetensors").read_bytes()
     assert train_encoder.main(argv + ["--resume"]) == 0
-    assert load_file(str(out / "encoder.safetensors")).keys() == load_file_keys(before)
-
-
-def load_file_keys(data: bytes):
-    from safetensors.torch import load
-
-    return load(data).keys()
+    assert (out / "encoder.safetensors").read_bytes() == before
 
 
 def test_the_feature_cache_key_follows_the_weights_content(tmp_path):
