@@ -3,11 +3,17 @@ models of its architectures (profile `tiny-llava-med`: CLIP ViT + Mistral with t
 Mistral-7B-Instruct-v0.2 chat template). Each test pins one point of the reference:
 
 1. prompts: `--conv-mode mistral_instruct` (llava/conversation.py) rendered and tokenised as
-   `tokenizer_image_token` does (llava/mm_utils.py), never through the tokenizer's template;
-2. closed options scored without an end-of-turn token (LLaVA-Med answers in sentences);
+   `tokenizer_image_token` does (llava/mm_utils.py), never through the tokenizer's template; the
+   profile's defaults as llava/eval/model_vqa.py (that prompt sent with retrieval on, closed questions
+   generated, 1024 new tokens, fp16 on a GPU, `<image>` removed from the question);
+2. closed options, when scoring is turned on, scored without an end-of-turn token (LLaVA-Med answers
+   in sentences);
 3. pad to square with the CLIP mean (`image_aspect_ratio: "pad"`, expand2square);
-4. an export servers load (architectures, bf16, no `mm_*` keys, the format as chat template);
-5. MedCPT retrieval (query length 64, [title, text] articles, inner product): test_retrieval_medcpt.py;
+4. an export servers load and that serves as the reference (fp16, mean-colour padding in its
+   processor, one chat template on processor and tokenizer, `<image>` never generated, no
+   training-only keys, the image token added where the tokenizer lacks it);
+5. MedCPT retrieval (query length 64, whole [title, text] articles, inner product, its
+   cross-encoder): test_retrieval_medcpt.py;
 6. 4-bit loading as the reference builder (NF4, double quantisation, fp16 compute);
 7. a 2048-token context.
 """
@@ -30,6 +36,7 @@ from medvqa.pipeline import Conversation, Done, Pipeline
 from medvqa.prompt import FORMATS, PromptBuilder, Turn
 
 from .conftest import REPO
+from .test_retrieval_medcpt import medcpt  # noqa: F401  (the tiny MedCPT index, a fixture)
 
 QUESTION = "Is there a pleural effusion?"
 
@@ -108,11 +115,81 @@ def test_passages_go_after_the_question_and_only_add_to_the_reference(llava_pipe
 
 
 def test_the_prompt_command_prints_the_reference_prompt():
-    env = dict(os.environ, MEDVQA_PROFILE="llava-med")
-    completed = subprocess.run([sys.executable, "-m", "medvqa", "prompt", QUESTION], capture_output=True,
-                               text=True, env=env, cwd=REPO, timeout=120)
+    env = {key: value for key, value in os.environ.items() if key != "MEDVQA_PROFILE"}
+    completed = subprocess.run([sys.executable, "-m", "medvqa", "prompt", "--profile", "llava-med", QUESTION],
+                               capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == f"[INST] <image>\n{QUESTION} [/INST]\n"
+
+
+# --- reference mode: the profile's defaults ---------------------------------------------------------
+
+def test_the_profile_defaults_are_the_references():
+    """model_vqa.py: no passages in the prompt, every question generated (closed ones too), 1024 new
+    tokens, fp16 on a GPU (builder.py loads in float16)."""
+    from medvqa.device import pick_dtype
+
+    for profile in ("llava-med", "tiny-llava-med"):
+        settings = load_settings(profile, env={})
+        assert settings.retrieval.prompt_gate == "never" and settings.decoder.constrained_closed is False
+        assert settings.dtype == "float16_on_gpu" and settings.decoder.temperature == 0.0
+    assert load_settings("llava-med", env={}).decoder.max_new_tokens == 1024
+    for device in ("cuda", "mps"):
+        assert pick_dtype(torch.device(device), "float16_on_gpu") == torch.float16
+    assert pick_dtype(torch.device("cpu"), "float16_on_gpu") == torch.float32  # no fp16 matmuls on a CPU
+    assert load_settings("offline", env={}).decoder.constrained_closed is True  # the offline profile keeps its own
+
+
+def test_the_app_sends_the_reference_prompt_with_retrieval_on(llava_pipeline, llava_settings, medcpt, monkeypatch):
+    """With the profile's defaults and retrieval on (MedCPT with its cross-encoder, on tiny BERTs), the
+    engine receives exactly the reference prompt; a closed question is generated greedily, not scored,
+    and its confidence is said to be not measured."""
+    from dataclasses import replace
+
+    from medvqa.retrieval import Retriever
+
+    settings = copy.deepcopy(llava_settings)
+    settings.retrieval = replace(medcpt[0], enabled=True)
+    pipeline = Pipeline(settings, llava_pipeline.engine, llava_pipeline.model, Retriever.open(settings.retrieval))
+    engine, sent = pipeline.engine, []
+    stream = engine.stream
+
+    def recording_stream(request, **options):
+        sent.append((request.prompt, options))
+        return stream(request, **options)
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("options were scored")
+
+    monkeypatch.setattr(engine, "stream", recording_stream)
+    monkeypatch.setattr(engine, "score_options", no_scoring)
+    image = _image(6)
+    events = list(pipeline.ask(Conversation(image=image), QUESTION, warm=False))
+    ((prompt, options),) = sent
+    assert prompt.text == f"[INST] <image>\n{QUESTION} [/INST]"
+    ours = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+    assert ours == reference_token_ids(prompt.text, engine.tokenizer, pipeline.model.num_image_tokens)
+    done = events[-1]
+    assert isinstance(done, Done) and done.passages and not done.in_prompt  # shown beside the answer
+    assert done.closed is None and "not measured" in done.confidence_note
+    # Greedy: the answer is the arg-max continuation, the same on every run.
+    again = list(pipeline.ask(Conversation(image=image), QUESTION, warm=False))[-1]
+    assert again.answer == done.answer and options.get("max_new_tokens") is None
+
+
+def test_a_typed_image_token_never_adds_an_image_slot(llava_pipeline):
+    """A literal <image> in the question, a passage or an earlier answer is removed, as the reference
+    removes it from the question ("prompt has N image positions" never happens)."""
+    class Passage:
+        text = "See <image> here."
+
+    history = [Turn("What <image> is this?", "A chest <image> radiograph.")]
+    prompt = llava_pipeline.prompts.build("Is <image> there an effusion?", history, [Passage()])
+    assert sum(prompt.image_mask) == llava_pipeline.model.num_image_tokens
+    assert prompt.text.count("<image>") == 1
+    answer = list(llava_pipeline.ask(Conversation(image=_image(7)), "Describe <image> the image.", use_retrieval=False,
+                                     max_new_tokens=4, warm=False))[-1]
+    assert isinstance(answer, Done)
 
 
 def test_the_app_format_keeps_its_system_rules_and_question_line(tiny_pipeline):

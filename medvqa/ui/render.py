@@ -62,7 +62,8 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         body = "_(The model gave no answer.)_"
     warning = _injection_html(answer.injection) + "\n\n" if answer.injection is not None else ""
     reliance = _reliance_html(answer.closed) + "\n\n" if answer.closed and answer.closed.get("flagged") else ""
-    confidence = _confidence_html(answer.closed) + "\n\n" if answer.closed and "kind" in answer.closed else ""
+    confidence = _confidence_html(answer.closed) + "\n\n" if answer.closed and "kind" in answer.closed else \
+        f'<div class="medvqa-confidence">{html.escape(answer.confidence_note)}</div>\n\n' if answer.confidence_note else ""
     return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
                                                                 answer.support)
 
