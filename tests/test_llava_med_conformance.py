@@ -251,31 +251,139 @@ def test_the_openai_engine_pads_with_the_same_colour():
 
 # --- 4. the export ---------------------------------------------------------------------------------
 
+# LLaVA's training code writes these into a checkpoint's language config (llava/train/train.py); they
+# mean nothing to a Hugging Face Mistral config.
+TRAINING_KEYS = {"mm_vision_tower": "openai/clip-vit-large-patch14-336", "mm_hidden_size": 1024,
+                 "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -2, "mm_use_im_start_end": False,
+                 "mm_use_im_patch_token": False, "mm_patch_merge_type": "flat", "mm_projector_lr": None,
+                 "mm_vision_tower_lr": None, "image_aspect_ratio": "pad", "tokenizer_model_max_length": 2048,
+                 "tokenizer_padding_side": "right", "tune_mm_mlp_adapter": False, "freeze_mm_mlp_adapter": False,
+                 "unfreeze_mm_vision_tower": False, "use_mm_proj": True}
+
+
 def test_the_export_is_one_servers_load(llava_pipeline, llava_settings, tmp_path):
+    from jinja2 import Template
     from safetensors import safe_open
+    from transformers import AutoTokenizer, LlavaProcessor, MistralConfig
 
     from medvqa.hf_export import export_llava
+    from medvqa.prompt import jinja_template
 
     decoder = copy.deepcopy(llava_pipeline.engine.language_model)
-    # A LLaVA-Med checkpoint's language config carries its training code's keys.
-    decoder.model.config.mm_vision_tower = "openai/clip-vit-large-patch14-336"
-    decoder.model.config.mm_hidden_size = 1024
-    decoder.model.config.tokenizer_model_max_length = 2048
+    for key, value in TRAINING_KEYS.items():  # as a LLaVA-Med checkpoint's language config carries them
+        setattr(decoder.model.config, key, value)
     folder = export_llava(llava_pipeline.model, decoder, tmp_path / "export", "tiny-llava-med", "mistral_instruct")
     config = json.loads((folder / "config.json").read_text())
     text = config["text_config"]
     assert text["architectures"] == ["MistralForCausalLM"] and text["model_type"] == "mistral"
-    assert not [key for key in text if key.startswith("mm_") or key == "tokenizer_model_max_length"]
+    assert not set(text) & set(TRAINING_KEYS) and set(text) <= set(MistralConfig().to_dict()) | {"architectures"}
     (weights,) = folder.glob("*.safetensors")
-    with safe_open(str(weights), "pt") as handle:
-        assert {handle.get_tensor(key).dtype for key in handle.keys()} == {torch.bfloat16}
-    template = json.loads((folder / "chat_template.json").read_text())["chat_template"] \
-        if (folder / "chat_template.json").is_file() else (folder / "chat_template.jinja").read_text()
-    from jinja2 import Template
-
+    with safe_open(str(weights), "pt") as handle:  # fp16, as the reference's builder runs
+        assert {handle.get_tensor(key).dtype for key in handle.keys()} == {torch.float16}
+    # One chat template, the format's, on the processor and on the tokenizer.
+    template = jinja_template(FORMATS["mistral_instruct"])
+    assert LlavaProcessor.from_pretrained(folder).chat_template == template
+    assert AutoTokenizer.from_pretrained(folder).chat_template == template
     rendered = Template(template).render(bos_token="<s>", messages=[
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
     assert rendered == "<s>" + llava_pipeline.prompts.build(QUESTION).text
+
+
+def test_the_exported_processor_pads_a_non_square_image_as_the_app(llava_pipeline, tmp_path):
+    """A client other than this app sends the image as it is: the exported processor pads it to a
+    square with the CLIP mean (expand2square) and resizes, giving the app's pixel values; a
+    centre crop (CLIP's own processor) would not."""
+    from transformers import AutoProcessor, CLIPImageProcessor
+
+    from medvqa.hf_export import export_llava
+
+    folder = export_llava(llava_pipeline.model, llava_pipeline.engine.language_model, tmp_path / "export",
+                          "tiny-llava-med", "mistral_instruct")
+    vision = llava_pipeline.model.vision
+    image = _image(8, shape=(40, 24))  # taller than wide
+    exported = AutoProcessor.from_pretrained(folder).image_processor(images=image, return_tensors="pt")["pixel_values"]
+    ours = vision.preprocess([image])
+    torch.testing.assert_close(exported, ours, atol=2e-2, rtol=0)
+    cropped = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                 image_mean=list(vision.mean), image_std=list(vision.std))(
+        images=image, return_tensors="pt")["pixel_values"]
+    assert float((cropped - ours).abs().max()) > 0.5
+
+
+def _final_hidden_state(model, **inputs) -> torch.Tensor:
+    """(d,) the input of the output head at the last position."""
+    captured = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: captured.append(args[0][0, -1]))
+    with torch.no_grad():
+        model(**inputs)
+    handle.remove()
+    return captured[0]
+
+
+def test_the_export_never_generates_the_image_token(llava_pipeline, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from medvqa.hf_export import export_llava
+
+    folder = export_llava(llava_pipeline.model, llava_pipeline.engine.language_model, tmp_path / "fp32",
+                          "tiny-llava-med", "mistral_instruct", dtype=torch.float32)
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    image_id = model.config.image_token_index
+    assert model.generation_config.suppress_tokens == [image_id]
+    prompt = llava_pipeline.prompts.build("Describe the image.")
+    ids = torch.tensor([[image_id if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+    inputs = {"input_ids": ids, "pixel_values": llava_pipeline.model.vision.preprocess([_image(9, (32, 32))])}
+    hidden = _final_hidden_state(model, **inputs)
+    with torch.no_grad():  # make <image> by far the likeliest next token
+        model.lm_head.weight[image_id] = 1e3 * hidden / hidden.norm() ** 2
+        unguarded = model.generate(**inputs, max_new_tokens=1, do_sample=False, suppress_tokens=None,
+                                   bad_words_ids=None)
+        guarded = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert unguarded[0, -1].item() == image_id  # the test can fail
+    assert image_id not in guarded[0, ids.shape[1]:].tolist()
+
+
+def test_the_export_adds_the_image_token_where_the_tokenizer_lacks_it(llava_pipeline, tmp_path):
+    """LLaVA-Med's tokenizer has no <image> (the reference uses an id outside the vocabulary): the export
+    adds it, grows the vocabulary by an inert row, and gives our logits on the original vocabulary."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration, MistralConfig, MistralForCausalLM
+
+    from medvqa.config import DecoderConfig
+    from medvqa.hf_export import export_llava
+    from medvqa.language_model import LanguageModel
+    from medvqa.tiny import build_mistral_tokenizer
+
+    tokenizer = build_mistral_tokenizer(image_token=False)
+    assert "<image>" not in tokenizer.get_vocab()
+    vocab = len(tokenizer)
+    width = llava_pipeline.engine.language_model.hidden_size
+    torch.manual_seed(1)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id))
+    decoder = LanguageModel(mistral, tokenizer, DecoderConfig())
+    folder = export_llava(llava_pipeline.model, decoder, tmp_path / "added", "tiny-llava-med", "mistral_instruct",
+                          dtype=torch.float32)
+    assert "<image>" not in tokenizer.get_vocab()  # the app's tokenizer is not changed
+    exported_tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_id = exported_tokenizer.convert_tokens_to_ids("<image>")
+    assert image_id == vocab and "<image>" in exported_tokenizer.all_special_tokens
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    assert model.config.image_token_index == image_id and model.config.text_config.vocab_size == vocab + 1
+    assert model.generation_config.suppress_tokens == [image_id]
+    # The same logits as our pipeline's on the original vocabulary, for a prompt with the image.
+    builder = PromptBuilder(tokenizer, llava_pipeline.model.num_image_tokens, format=FORMATS["mistral_instruct"])
+    prompt = builder.build(QUESTION)
+    image = _image(10, shape=(32, 32))
+    ours_embeds = embed_prompt(decoder.embed, prompt.token_ids, prompt.image_mask,
+                               lambda: llava_pipeline.model.image_tokens(image))
+    ids = torch.tensor([[image_id if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+    with torch.no_grad():
+        ours = decoder(ours_embeds).logits
+        theirs = model(input_ids=ids, pixel_values=llava_pipeline.model.vision.preprocess([image])).logits
+    torch.testing.assert_close(theirs[..., :vocab], ours, atol=1e-4, rtol=1e-4)
+    assert float(theirs[..., image_id].abs().max()) == 0.0  # an inert row, and suppressed above
 
 
 def test_the_export_generates_what_the_pipeline_generates(llava_pipeline, tmp_path):
