@@ -343,6 +343,30 @@ def test_the_export_never_generates_the_image_token(llava_pipeline, tmp_path):
     assert image_id not in guarded[0, ids.shape[1]:].tolist()
 
 
+def test_the_app_never_generates_the_image_token(llava_pipeline):
+    """Nor does the app's own engine: a generated <image> would be an image slot in the next prompt."""
+    from medvqa.engines.transformers import TransformersEngine
+
+    language_model = copy.deepcopy(llava_pipeline.engine.language_model)
+    image_id = language_model.tokenizer.convert_tokens_to_ids("<image>")
+    prompt = llava_pipeline.prompts.build("Describe the image.")
+    image = _image(11, shape=(32, 32))
+    embeds = embed_prompt(language_model.embed, prompt.token_ids, prompt.image_mask,
+                          lambda: llava_pipeline.model.image_tokens(image))
+    hidden = _final_hidden_state(language_model.model, inputs_embeds=embeds)
+    with torch.no_grad():  # make <image> by far the likeliest next token
+        language_model.model.lm_head.weight[image_id] = 1e3 * hidden / hidden.norm() ** 2
+        assert int(language_model(embeds).logits[0, -1].argmax()) == image_id  # the test can fail
+    engine = TransformersEngine(language_model, llava_pipeline.settings.decoder)
+    try:
+        generated: list[int] = []
+        for _ in engine.generate(embeds, max_new_tokens=3, generated=generated):
+            pass
+    finally:
+        engine.close()
+    assert generated and image_id not in generated
+
+
 def test_the_export_adds_the_image_token_where_the_tokenizer_lacks_it(llava_pipeline, tmp_path):
     """LLaVA-Med's tokenizer has no <image> (the reference uses an id outside the vocabulary): the export
     adds it, grows the vocabulary by an inert row, and gives our logits on the original vocabulary."""
@@ -487,3 +511,14 @@ def test_the_install_check_runs_on_the_tiny_llava_med_profile(tiny_cache):
     assert result["n"] == 4 and result["n_closed"] == 2 and result["n_open"] == 2
     assert 0.0 <= result["closed_accuracy"] <= 1.0 and result["ttft_p50_s"] is not None
     assert "published for scale" in completed.stdout
+
+
+def test_the_prepared_cuda_check_says_when_there_is_no_gpu(monkeypatch, capsys):
+    """scripts/check_cuda.py (issue 33, step 4) runs on a GPU machine; without one it says so."""
+    from .conftest import load_script
+
+    script = load_script("check_cuda")
+    assert script.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert script.first_difference([1, 2, 3], [1, 5, 3]) == 1 and script.first_difference([1, 2], [1, 2, 3]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert script.main([]) == 2 and "no CUDA device" in capsys.readouterr().err
