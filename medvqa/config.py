@@ -56,6 +56,10 @@ class DecoderConfig:
     remote_model: str = ""  # openai engine: model name the server knows ("" = name_or_path)
     api_key_env: str = "MEDVQA_API_KEY"  # openai engine: environment variable holding the API key, if any
     timeout_s: float = 120.0  # openai engine: seconds to wait for the server
+    # openai engine: the served checkpoint's <image> id (scripts/export_hf.py prints it), sent with a
+    # logit bias of -100 so no answer contains it (vLLM does not apply generation_config.json's
+    # suppress_tokens); -1 = none sent.
+    remote_image_token_id: int = -1
     model_class: str = "auto"  # "auto" (AutoModelForCausalLM) or a transformers class name, e.g. "MistralForCausalLM"
     max_new_tokens: int = 96  # answer length cap
     temperature: float = 0.0  # 0 = greedy

@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 remote = load_settings("tiny-llava-med", env={"MEDVQA_CACHE": str(work / "cache")})
                 remote.retrieval.enabled = False
                 remote.decoder.engine, remote.decoder.base_url, remote.decoder.remote_model = "openai", url, "tiny"
+                remote.decoder.remote_image_token_id = json.loads((folder / "config.json").read_text())[
+                    "image_token_index"]
                 client = Pipeline.load(remote, with_retrieval=False, progress=False)
                 from medvqa.pipeline import Conversation
 

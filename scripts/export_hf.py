@@ -10,6 +10,7 @@ the folder carries is in medvqa/hf_export.py.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -32,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    image_token_id = json.loads((folder / "config.json").read_text())["image_token_index"]
     print(f"Exported {args.profile} to {folder}")
+    print(f"Served by vLLM through the app's openai engine, set "
+          f"MEDVQA_DECODER__REMOTE_IMAGE_TOKEN_ID={image_token_id} so no answer contains <image> "
+          f"(vLLM does not read generation_config.json's suppress_tokens).")
     return 0
 
 
