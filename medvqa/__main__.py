@@ -162,6 +162,8 @@ def _ask(args) -> int:
                 finding = check_answer(event.answer, event.passages, question=args.question)
                 if finding is not None:
                     print(f"WARNING: {finding.warning}")
+                if event.confidence_note:
+                    print(f"({event.confidence_note})")
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):

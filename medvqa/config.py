@@ -56,6 +56,10 @@ class DecoderConfig:
     remote_model: str = ""  # openai engine: model name the server knows ("" = name_or_path)
     api_key_env: str = "MEDVQA_API_KEY"  # openai engine: environment variable holding the API key, if any
     timeout_s: float = 120.0  # openai engine: seconds to wait for the server
+    # openai engine: the served checkpoint's <image> id (scripts/export_hf.py prints it), sent with a
+    # logit bias of -100 so no answer contains it (vLLM does not apply generation_config.json's
+    # suppress_tokens); -1 = none sent.
+    remote_image_token_id: int = -1
     model_class: str = "auto"  # "auto" (AutoModelForCausalLM) or a transformers class name, e.g. "MistralForCausalLM"
     max_new_tokens: int = 96  # answer length cap
     temperature: float = 0.0  # 0 = greedy
@@ -74,7 +78,9 @@ class DecoderConfig:
     # transformers engine: run the decode steps of concurrent answers as one batched step (Llama-family
     # decoders; engines/torch_steps.py). "auto": on for CUDA and MPS; on CPU, engines/transformers.CPU_BATCH_DECODE.
     batch_decode: Literal["auto", "on", "off"] = "auto"
-    constrained_closed: bool = True  # answer closed questions by scoring the options they name
+    # Answer closed questions by scoring the options they name (off: generate them as any question,
+    # and their confidence is "not measured").
+    constrained_closed: bool = True
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -132,13 +138,20 @@ class RetrievalConfig:
     faiss_type: Literal["auto", "flat", "hnsw", "ivfpq"] = "auto"  # "auto": by passage count and memory (retrieval/plan.py)
     candidates: int = 50  # passages each retriever ranks before fusion
     duplicate_cosine: float = 0.97  # passages at least this similar to a better-ranked one are collapsed
-    chunk_tokens: int = 200  # longest passage in embedder tokens; longer texts are split
+    # Longest passage in embedder tokens; longer texts are split. 0: every text whole (the encoder
+    # truncates it as its own reference does: MedCPT's article encoder reads title and abstract to 512).
+    chunk_tokens: int = 200
     chunk_overlap: int = 40  # tokens shared by consecutive chunks of one text
     hnsw_ef_search: int = 128  # HNSW search breadth (recall vs latency)
     ivf_nprobe: int = 0  # IVF lists visited per query; 0 = as tuned at build time for recall (the manifest's)
     query_threads: int = 1  # torch/FAISS threads for one query, in the calling thread only (0 = as set)
     # passages in the decoder prompt: always, for open questions only, or never (shown beside the answer)
     prompt_gate: Literal["always", "open", "never"] = "always"
+    # A cross-encoder (Hugging Face sequence classifier with one logit, e.g. ncbi/MedCPT-Cross-Encoder)
+    # that re-ranks the first `rerank_candidates` fused passages by reading query and passage together;
+    # "" = none (the fused order stands).
+    cross_encoder: str = ""
+    rerank_candidates: int = 32
 
 
 @dataclass
@@ -149,7 +162,9 @@ class Settings:
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "auto": bf16 on CUDA where supported, else fp16; fp16 on MPS; fp32 on CPU. "float16_on_gpu": fp16
+    # on CUDA and MPS, fp32 on CPU (LLaVA-Med's reference runs fp16 throughout).
+    dtype: Literal["auto", "float16_on_gpu", "float32", "bfloat16", "float16"] = "auto"
     cache_dir: str = str(Path.home() / ".cache" / "medvqa")  # converted models, features, tiny models
     offline: bool = True  # never reach a model hub; fail with a message instead
     seed: int = 0
@@ -197,21 +212,30 @@ def _llava_med_profile(cache_dir: str) -> Settings:
         projector=ProjectorConfig(hidden_size=4096, weights="hub:microsoft/llava-med-v1.5-mistral-7b"),
         # The checkpoint's config says "llava_mistral", which transformers does not know; its
         # language-model weights load as a plain Mistral.
-        # Prompts as microsoft/LLaVA-Med renders --conv-mode mistral_instruct; its context is 2048 tokens
-        # (the checkpoint's tokenizer_model_max_length, and the reference builder's context_len).
+        # Reference mode (llava/eval/model_vqa.py of microsoft/LLaVA-Med): prompts as it renders
+        # --conv-mode mistral_instruct, nothing added; every question generated, closed ones too (no
+        # option scoring, so no confidence: "not measured"); up to 1024 new tokens; fp16 on a GPU, as its
+        # builder loads the model. Its context is 2048 tokens (the checkpoint's tokenizer_model_max_length,
+        # and the reference builder's context_len). Greedy (temperature 0): the reference script samples
+        # at 0.2 with seed 0 unless given --temperature 0; greedy is this project's evaluation rule.
         decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=2048,
-                              max_new_tokens=256, model_class="MistralForCausalLM",
-                              conversation_format="mistral_instruct", window_in_prompt=False),
+                              max_new_tokens=1024, model_class="MistralForCausalLM",
+                              conversation_format="mistral_instruct", window_in_prompt=False,
+                              constrained_closed=False),
+        dtype="float16_on_gpu",
         # MedCPT as ncbi/MedCPT's reference uses it: an asymmetric pair, CLS-pooled, scored by raw inner
-        # product; questions truncated at 64 tokens, articles encoded as [title, text] pairs (512).
-        # MiniLM's cosine cut-offs mean nothing on that scale: none apply (the fused top-k is cited)
-        # until scripts/calibrate_retrieval.py --profile llava-med --write stores calibrated ones in the
-        # index manifest.
+        # product; questions truncated at 64 tokens, articles encoded whole as [title, text] pairs
+        # (truncated at 512 by the encoder), then the fused candidates re-ranked by its cross-encoder.
+        # MiniLM's cosine cut-offs mean nothing on that scale: none apply (the top-k is cited) until
+        # scripts/calibrate_retrieval.py --profile llava-med --write stores calibrated ones in the
+        # index manifest. The passages are shown beside the answer, not put in the prompt: whether
+        # they help LLaVA-Med has not been measured (prompt_gate "always" is the setting to measure).
         retrieval=RetrievalConfig(embedder="ncbi/MedCPT-Query-Encoder",
                                   passage_embedder="ncbi/MedCPT-Article-Encoder", pooling="cls",
                                   index_name="medcpt", normalize=False, query_max_tokens=64, passage_title=True,
+                                  chunk_tokens=0, cross_encoder="ncbi/MedCPT-Cross-Encoder",
                                   min_dense_score=float("-inf"), min_topic_score=-1.0,
-                                  relevance_margin=float("inf")),
+                                  relevance_margin=float("inf"), prompt_gate="never"),
         offline=False,
     )
 
@@ -239,7 +263,8 @@ def _tiny_llava_med_profile(cache_dir: str) -> Settings:
     settings.projector = ProjectorConfig(hidden_size=24)
     settings.decoder.name_or_path = f"tiny:{tiny_dir / 'mistral'}"
     settings.decoder.max_new_tokens, settings.decoder.context_window = 12, 1024
-    settings.retrieval = RetrievalConfig(index_name="default")  # MedCPT has no tiny weights: MiniLM's index
+    # MedCPT has no tiny weights: MiniLM's index, passages shown beside the answer as the profile's.
+    settings.retrieval = RetrievalConfig(index_name="default", prompt_gate=settings.retrieval.prompt_gate)
     return settings
 
 

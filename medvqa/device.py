@@ -23,6 +23,8 @@ def pick_dtype(device: torch.device, preference: str = "auto") -> torch.dtype:
     measured on the 2-core AVX2 reference machine (no native bf16), bf16 matmuls are emulated and
     training under bf16 autocast is several times slower (see scripts/bench_latency.py --dtype).
     """
+    if preference == "float16_on_gpu":
+        return torch.float32 if device.type == "cpu" else torch.float16
     if preference != "auto":
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[preference]

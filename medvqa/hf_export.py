@@ -7,11 +7,22 @@ The bottleneck projector (d_v -> h -> d_l with h < d_l) is exported exactly: LLa
 d_v -> d_l -> d_l, so `linear_1` gains d_l - h zero rows and `linear_2` as many zero columns. The
 extra hidden units compute GELU(0) = 0 and contribute nothing.
 
-What a server needs to load it as it is: `text_config.architectures` names the language model's own
-class (LLaVA-Med's checkpoint says `LlavaMistralForCausalLM`, which vLLM refuses), the original
-training code's `mm_*` and tokenizer keys are left out of the config, weights are written in bf16
-(half the size of fp32; what the servers run), and the processor's chat template is the profile's
-conversation format (prompt.FORMATS), so a server renders the prompt the model was trained with.
+What a server needs to serve it as the reference runs it:
+
+- `text_config.architectures` names the language model's own class (LLaVA-Med's checkpoint says
+  `LlavaMistralForCausalLM`, which vLLM refuses), and `text_config` holds only the keys that class
+  knows: the original training code's (`mm_*`, `tokenizer_*`, `unfreeze_mm_vision_tower`, ...) are
+  left out;
+- weights in fp16, as LLaVA-Med's builder runs them;
+- an image processor that pads to a square with the mean colour before resizing (transformers'
+  `LlavaImageProcessor` with `do_pad`, LLaVA's expand2square), for a profile that pads so, so a
+  client other than this app sends what the model saw in training instead of a centre crop;
+- the profile's conversation format (prompt.FORMATS) as the chat template of both the processor and
+  the tokenizer, so a server renders the prompt the model was trained with whichever it reads;
+- `<image>` never generated: its id is suppressed in `generation_config.json` (`suppress_tokens`,
+  `bad_words_ids`; its output row alone would give a logit of 0, not minus infinity). Where the
+  tokenizer lacks `<image>` (LLaVA-Med's uses an id outside the vocabulary), it is added as a special
+  token and the vocabulary grows by zero rows, on a copy: the app's own tokenizer is left as it was.
 """
 
 from __future__ import annotations
@@ -24,26 +35,18 @@ from .config import Settings
 from .language_model import LanguageModel
 from .model import VisionLanguageModel
 from .prompt import FORMATS, IMAGE_PLACEHOLDER, jinja_template
-from .vision import ClipVisionEncoder
+from .vision import ClipVisionEncoder, pad_colour
 
 
 class ExportError(ValueError):
     pass
 
 
-# Keys of LLaVA's original training code that a checkpoint's language-model config carries; they mean
-# nothing to a Hugging Face Mistral or Llama config and are not exported.
-_TRAINING_CODE_KEYS = ("image_aspect_ratio", "image_grid_pinpoints", "tokenizer_model_max_length",
-                       "tokenizer_padding_side", "tune_mm_mlp_adapter", "freeze_mm_mlp_adapter", "use_mm_proj")
-
-
 def clean_text_config(language_config) -> dict:
-    """The language model's config as a plain Hugging Face config of its own class."""
-    config = language_config.to_dict()
-    for key in list(config):
-        if key.startswith("mm_") or key in _TRAINING_CODE_KEYS:
-            del config[key]
-    return config
+    """The language model's config as a plain Hugging Face config of its own class: only the keys a
+    default config of that class has (LLaVA's training code adds its own, which mean nothing there)."""
+    known = set(type(language_config)().to_dict())
+    return {key: value for key, value in language_config.to_dict().items() if key in known}
 
 
 def padded_projector_state(projector, text_size: int) -> dict[str, torch.Tensor]:
@@ -75,10 +78,13 @@ def load_for_export(settings: Settings) -> tuple[VisionLanguageModel, LanguageMo
 
 
 def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: str | Path, profile: str = "",
-                 conversation_format: str = "chat_template", dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the checkpoint and its processor to `out_dir`; `dtype` of the weights (bf16, or fp32
-    where exact comparison matters)."""
-    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+                 conversation_format: str = "chat_template", dtype: torch.dtype = torch.float16) -> Path:
+    """Write the checkpoint and its processor to `out_dir`; `dtype` of the weights (fp16 as the
+    reference runs, or fp32 where exact comparison matters)."""
+    import copy
+
+    from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaImageProcessor, LlavaProcessor)
 
     vision, projector = model.vision, model.projector
     if not isinstance(vision, ClipVisionEncoder):
@@ -88,10 +94,12 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
     if vision.pooled_tokens:
         raise ExportError("Token pooling has no LLaVA equivalent; export a model trained on all patch tokens.")
     out_dir = Path(out_dir)
-    tokenizer = decoder.tokenizer
+    tokenizer = copy.deepcopy(decoder.tokenizer)  # the app's own is not changed
     if IMAGE_PLACEHOLDER not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_PLACEHOLDER]})
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+    chat_template = jinja_template(FORMATS[conversation_format]) or tokenizer.chat_template
+    tokenizer.chat_template = chat_template
     text_config = decoder.model.config
     vocab = max(text_config.vocab_size, len(tokenizer))
     config = LlavaConfig(vision_config=vision.tower.config.to_dict(), text_config=clean_text_config(text_config),
@@ -111,18 +119,26 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
     model.lm_head.load_state_dict(language.lm_head.state_dict())
     model.model.multi_modal_projector.load_state_dict(
         padded_projector_state(projector, text_config.hidden_size))
+    # The image token is never generated (servers and `generate` read these with the checkpoint).
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, suppress_tokens=[image_token_id], bad_words_ids=[[image_token_id]])
     model.to(dtype).save_pretrained(out_dir)
 
     side = vision.image_size
-    # The app pads every image to a square before it is sent, so a plain resize matches our preprocessing.
-    image_processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                                         image_mean=list(vision.mean), image_std=list(vision.std),
-                                         resample=3)
+    shape = dict(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                 image_mean=list(vision.mean), image_std=list(vision.std), resample=3)
+    if vision.pad_fill == pad_colour(vision.mean):
+        # LLaVA's expand2square with the mean colour, then resize: what the app does to every image.
+        image_processor = LlavaImageProcessor(do_pad=True, **shape)
+    else:
+        # A profile that pads with black: the app pads before it sends, so a plain resize matches (a
+        # client of its own must pad to a square with black first).
+        image_processor = CLIPImageProcessor(**shape)
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                patch_size=vision.tower.config.patch_size,
                                vision_feature_select_strategy="default", image_token=IMAGE_PLACEHOLDER,
-                               num_additional_image_tokens=1,
-                               chat_template=jinja_template(FORMATS[conversation_format]) or tokenizer.chat_template)
+                               num_additional_image_tokens=1, chat_template=chat_template)
     processor.save_pretrained(out_dir)
     return out_dir
 

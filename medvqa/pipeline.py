@@ -71,6 +71,9 @@ class Done:
     # A closed answer's scores: {"options": {option: score}, and trust.image_reliance's keys when the
     # options were also scored with a neutral image}; None for free text.
     closed: dict | None = None
+    # Why a closed question's answer has no confidence: its options were not scored (it was generated
+    # as free text, decoder.constrained_closed off); "" otherwise.
+    confidence_note: str = ""
 
 
 @dataclass
@@ -102,6 +105,12 @@ class Conversation:
     def from_scan(cls, scan) -> "Conversation":
         describe = getattr(scan, "describe_window", None)
         return cls(image=scan.pixels, window=describe() if callable(describe) else "")
+
+
+# What the app says of a closed question answered in free text: nothing measured how often it is right.
+UNSCORED_CLOSED_NOTE = ("Confidence: not measured. This closed question was answered in free text; "
+                        "confidence and abstention need its options scored (decoder.constrained_closed, "
+                        "off in this profile as in the model's reference, and an engine that scores them).")
 
 
 # The prefix-cache key of prompts asked with the neutral (blank) image: one shared entry, since the
@@ -226,7 +235,8 @@ class Pipeline:
     def ask(self, conversation: Conversation, question: str, **options) -> Iterator[Sources | Token | Done]:
         """Answer `question` about the conversation's image, streaming; history is updated at the end.
         Options: use_retrieval (True), safe_meta, max_new_tokens, constrained (closed questions scored
-        over their options; default decoder.constrained_closed), warm (True).
+        over their options; default decoder.constrained_closed: off, they are generated like any
+        question and Done.confidence_note says their confidence is not measured), warm (True).
 
         With `warm` (and `decoder.warm_next_turn`), iterating past Done prefills the start of the
         next turn (see warm_next_turn); a one-shot caller passes warm=False. Each step runs in one
@@ -281,8 +291,10 @@ class Pipeline:
         request = self._request(conversation.image, prompt, conversation.digest, conversation.id)
         if constrained is None:
             constrained = self.settings.decoder.constrained_closed
-        candidates = closed_candidates(question) if constrained and self.engine.scores_options else None
+        options = closed_candidates(question)
+        candidates = options if constrained and self.engine.scores_options else None
         closed = None
+        confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             choice, scores = self._option_scores(request, candidates)
@@ -322,7 +334,7 @@ class Pipeline:
         timings["total_s"] = time.perf_counter() - start
         tracker.done(timings, len(answer_parts), closed)
         conversation.history.append(Turn(question, answer, prompt_passages))
-        yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed)
+        yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
         # and types, the engine caches the start of the next turn, so the next question only has its
         # own words to prefill.

@@ -20,15 +20,30 @@ tokenisation the placeholder becomes `n_image_tokens` positions flagged in an im
 tokenised on its own, as the reference does. Without a tokenizer (an engine that renders its own
 template, such as a remote server) the prompt is the messages alone.
 
-Passage text was sanitised at ingest by the retrieval module.
+Passage text was sanitised at ingest by the retrieval module. Whatever reaches the prompt from
+outside (questions, passages, earlier answers) has its control markers removed first
+(`PromptBuilder.control_markers`): the image placeholder, every special token of the tokenizer, the
+format's own turn markers (`[INST]`, `[/INST]`, `</s>`) and those of the common chat formats. So a
+typed `<image>` never becomes a second image slot (the reference removes it from the question too),
+and no text can open, close or forge a turn: the tokenizer never sees them as specials.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 IMAGE_PLACEHOLDER = "<image>"
+
+# Control tokens of the chat formats a decoder or a remote server may render with (ChatML, LLaMA-2 /
+# Mistral, Llama 3, Gemma, Phi-3): removed from outside text whatever the profile, since a server's
+# template is not known here and none of them is ever meant as words.
+COMMON_CONTROL_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]",
+                          "<<SYS>>", "<</SYS>>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                          "<|eot_id|>", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>",
+                          "<|system|>", "<|end|>")
 
 SYSTEM_PROMPT = (
     "You are MedVQA, a research assistant that answers questions about a medical image. "
@@ -132,6 +147,33 @@ class PromptBuilder:
     format: ConversationFormat = FORMATS["chat_template"]
     _cache: dict = field(default_factory=dict, repr=False)
 
+    @cached_property
+    def control_markers(self) -> tuple[str, ...]:
+        """Strings that must never reach the prompt from outside text: the image placeholder, the
+        tokenizer's special tokens, the format's turn markers and the common chat formats' ones."""
+        style = self.format
+        markers = {IMAGE_PLACEHOLDER, *COMMON_CONTROL_MARKERS}
+        markers |= {literal.strip() for literal in (style.user_open, style.user_close, style.answer_open,
+                                                    style.answer_close) if literal.strip()}
+        if self.tokenizer is not None:
+            markers |= set(getattr(self.tokenizer, "all_special_tokens", ()))
+            markers |= {str(token) for token in getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+                        if getattr(token, "special", False)}
+        return tuple(sorted((m for m in markers if m.strip()), key=lambda m: (-len(m), m)))
+
+    @cached_property
+    def _markers_pattern(self) -> re.Pattern:
+        return re.compile("|".join(re.escape(marker) for marker in self.control_markers))
+
+    def neutralise(self, text: str) -> str:
+        """`text` without control markers, removed until none is left (so "<im<image>age>" does not
+        leave an "<image>" behind)."""
+        while True:
+            cleaned = self._markers_pattern.sub("", text)
+            if cleaned == text:
+                return cleaned
+            text = cleaned
+
     def user_message(self, question: str, passages: Sequence = (), window: str = "",
                      with_image: bool = False) -> str:
         style = self.format
@@ -140,10 +182,11 @@ class PromptBuilder:
             image.append(IMAGE_PLACEHOLDER)
             if window and style.window_sentence:
                 image.append(f"(Image shown with {window}.)")
-        sources = [f"<source id={number}>{passage.text}</source>" for number, passage in enumerate(passages, start=1)]
+        sources = [f"<source id={number}>{self.neutralise(passage.text)}</source>"
+                   for number, passage in enumerate(passages, start=1)]
         if sources and style.passages_header:
             sources.insert(0, style.passages_header)
-        question_line = [style.question_prefix + question.strip()]
+        question_line = [style.question_prefix + self.neutralise(question).strip()]
         parts = image + (sources + question_line if style.passages_first else question_line + sources)
         return style.separator.join(parts)
 
@@ -154,7 +197,7 @@ class PromptBuilder:
         for index, turn in enumerate(history):
             messages.append({"role": "user", "content": self.user_message(
                 turn.question, turn.passages, window, with_image=index == 0)})
-            messages.append({"role": "assistant", "content": turn.answer})
+            messages.append({"role": "assistant", "content": self.neutralise(turn.answer)})
         messages.append({"role": "user", "content": self.user_message(
             question, passages, window, with_image=not history)})
         return messages
@@ -166,7 +209,7 @@ class PromptBuilder:
         With `answer` given the assistant's answer is appended (training); otherwise the prompt
         ends where the assistant starts speaking.
         """
-        if not question.strip():
+        if not self.neutralise(question).strip():
             raise ValueError("The question is empty.")
         if self.tokenizer is None:  # the engine renders and fits the messages itself
             return Prompt([], [], messages=self.messages(question, history, passages, window))
@@ -193,7 +236,7 @@ class PromptBuilder:
     def _tokenise(self, question, history, passages, window, answer) -> Prompt:
         messages = self.messages(question, history, passages, window)
         if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
+            messages.append({"role": "assistant", "content": self.neutralise(answer)})
         prompt = self.tokenise_text(self.render(messages, add_generation_prompt=answer is None))
         prompt.messages = messages
         return prompt

@@ -55,16 +55,17 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_mistral_tokenizer():
+def build_mistral_tokenizer(image_token: bool = True):
     """A sentencepiece-style tokenizer as Mistral's: "▁" word marks, <s> added before every text,
-    </s> ending a turn, the Mistral-7B-Instruct-v0.2 chat template."""
+    </s> ending a turn, the Mistral-7B-Instruct-v0.2 chat template. Without `image_token` it lacks
+    <image>, as LLaVA-Med's own tokenizer does (the export must add it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", "<image>"],
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"] + ["<image>"] * image_token,
                                   show_progress=False)
     core.train_from_iterator([_TRAINING_TEXT + " [INST] [/INST] Yes No"] * 4, trainer=trainer)
     core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",

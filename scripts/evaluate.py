@@ -6,7 +6,7 @@
 Conditions: with retrieval, without retrieval, with a shuffled image (each question paired with
 another image of the same split, a fixed derangement: inputs stay in distribution, so this is the
 fair test of whether the image is used) and with a blank (all-black) image. Closed questions are
-answered by constrained decoding over the options they name (the app's default) and, in the main
+answered by constrained decoding over the options they name (the offline profile's default) and, in the main
 condition, also by free generation. Greedy decoding, fixed seeds. Per-question results are appended
 to a JSONL file so an interrupted run resumes where it stopped.
 """

@@ -116,6 +116,18 @@ def test_a_streaming_answer_does_not_hold_other_conversations_back(server):
     assert answers == {0: "There is a small left effusion [1].", 1: "There is a small left effusion [1]."}
 
 
+def test_the_image_token_is_never_generated_when_its_id_is_set(server):
+    """vLLM ignores generation_config.json's suppress_tokens: the engine asks with a logit bias."""
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    messages = [{"role": "user", "content": "<image>\nQuestion: x"}]
+    settings = _settings(server)
+    list(OpenAIEngine(settings.decoder).stream_messages(messages, image))
+    assert "logit_bias" not in StandIn.seen[-1]
+    settings.decoder.remote_image_token_id = 32000
+    list(OpenAIEngine(settings.decoder).stream_messages(messages, image))
+    assert StandIn.seen[-1]["logit_bias"] == {"32000": -100}
+
+
 def test_server_error_and_timeout_and_unreachable_are_clear(server):
     decoder = OpenAIEngine(_settings(server).decoder)
     image = np.zeros((8, 8, 3), dtype=np.uint8)

@@ -3,11 +3,17 @@ models of its architectures (profile `tiny-llava-med`: CLIP ViT + Mistral with t
 Mistral-7B-Instruct-v0.2 chat template). Each test pins one point of the reference:
 
 1. prompts: `--conv-mode mistral_instruct` (llava/conversation.py) rendered and tokenised as
-   `tokenizer_image_token` does (llava/mm_utils.py), never through the tokenizer's template;
-2. closed options scored without an end-of-turn token (LLaVA-Med answers in sentences);
+   `tokenizer_image_token` does (llava/mm_utils.py), never through the tokenizer's template; the
+   profile's defaults as llava/eval/model_vqa.py (that prompt sent with retrieval on, closed questions
+   generated, 1024 new tokens, fp16 on a GPU, `<image>` removed from the question);
+2. closed options, when scoring is turned on, scored without an end-of-turn token (LLaVA-Med answers
+   in sentences);
 3. pad to square with the CLIP mean (`image_aspect_ratio: "pad"`, expand2square);
-4. an export servers load (architectures, bf16, no `mm_*` keys, the format as chat template);
-5. MedCPT retrieval (query length 64, [title, text] articles, inner product): test_retrieval_medcpt.py;
+4. an export servers load and that serves as the reference (fp16, mean-colour padding in its
+   processor, one chat template on processor and tokenizer, `<image>` never generated, no
+   training-only keys, the image token added where the tokenizer lacks it);
+5. MedCPT retrieval (query length 64, whole [title, text] articles, inner product, its
+   cross-encoder): test_retrieval_medcpt.py;
 6. 4-bit loading as the reference builder (NF4, double quantisation, fp16 compute);
 7. a 2048-token context.
 """
@@ -30,6 +36,7 @@ from medvqa.pipeline import Conversation, Done, Pipeline
 from medvqa.prompt import FORMATS, PromptBuilder, Turn
 
 from .conftest import REPO
+from .test_retrieval_medcpt import medcpt  # noqa: F401  (the tiny MedCPT index, a fixture)
 
 QUESTION = "Is there a pleural effusion?"
 
@@ -108,11 +115,81 @@ def test_passages_go_after_the_question_and_only_add_to_the_reference(llava_pipe
 
 
 def test_the_prompt_command_prints_the_reference_prompt():
-    env = dict(os.environ, MEDVQA_PROFILE="llava-med")
-    completed = subprocess.run([sys.executable, "-m", "medvqa", "prompt", QUESTION], capture_output=True,
-                               text=True, env=env, cwd=REPO, timeout=120)
+    env = {key: value for key, value in os.environ.items() if key != "MEDVQA_PROFILE"}
+    completed = subprocess.run([sys.executable, "-m", "medvqa", "prompt", "--profile", "llava-med", QUESTION],
+                               capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == f"[INST] <image>\n{QUESTION} [/INST]\n"
+
+
+# --- reference mode: the profile's defaults ---------------------------------------------------------
+
+def test_the_profile_defaults_are_the_references():
+    """model_vqa.py: no passages in the prompt, every question generated (closed ones too), 1024 new
+    tokens, fp16 on a GPU (builder.py loads in float16)."""
+    from medvqa.device import pick_dtype
+
+    for profile in ("llava-med", "tiny-llava-med"):
+        settings = load_settings(profile, env={})
+        assert settings.retrieval.prompt_gate == "never" and settings.decoder.constrained_closed is False
+        assert settings.dtype == "float16_on_gpu" and settings.decoder.temperature == 0.0
+    assert load_settings("llava-med", env={}).decoder.max_new_tokens == 1024
+    for device in ("cuda", "mps"):
+        assert pick_dtype(torch.device(device), "float16_on_gpu") == torch.float16
+    assert pick_dtype(torch.device("cpu"), "float16_on_gpu") == torch.float32  # no fp16 matmuls on a CPU
+    assert load_settings("offline", env={}).decoder.constrained_closed is True  # the offline profile keeps its own
+
+
+def test_the_app_sends_the_reference_prompt_with_retrieval_on(llava_pipeline, llava_settings, medcpt, monkeypatch):
+    """With the profile's defaults and retrieval on (MedCPT with its cross-encoder, on tiny BERTs), the
+    engine receives exactly the reference prompt; a closed question is generated greedily, not scored,
+    and its confidence is said to be not measured."""
+    from dataclasses import replace
+
+    from medvqa.retrieval import Retriever
+
+    settings = copy.deepcopy(llava_settings)
+    settings.retrieval = replace(medcpt[0], enabled=True)
+    pipeline = Pipeline(settings, llava_pipeline.engine, llava_pipeline.model, Retriever.open(settings.retrieval))
+    engine, sent = pipeline.engine, []
+    stream = engine.stream
+
+    def recording_stream(request, **options):
+        sent.append((request.prompt, options))
+        return stream(request, **options)
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("options were scored")
+
+    monkeypatch.setattr(engine, "stream", recording_stream)
+    monkeypatch.setattr(engine, "score_options", no_scoring)
+    image = _image(6)
+    events = list(pipeline.ask(Conversation(image=image), QUESTION, warm=False))
+    ((prompt, options),) = sent
+    assert prompt.text == f"[INST] <image>\n{QUESTION} [/INST]"
+    ours = [-1 if masked else token for token, masked in zip(prompt.token_ids, prompt.image_mask)]
+    assert ours == reference_token_ids(prompt.text, engine.tokenizer, pipeline.model.num_image_tokens)
+    done = events[-1]
+    assert isinstance(done, Done) and done.passages and not done.in_prompt  # shown beside the answer
+    assert done.closed is None and "not measured" in done.confidence_note
+    # Greedy: the answer is the arg-max continuation, the same on every run.
+    again = list(pipeline.ask(Conversation(image=image), QUESTION, warm=False))[-1]
+    assert again.answer == done.answer and options.get("max_new_tokens") is None
+
+
+def test_a_typed_image_token_never_adds_an_image_slot(llava_pipeline):
+    """A literal <image> in the question, a passage or an earlier answer is removed, as the reference
+    removes it from the question ("prompt has N image positions" never happens)."""
+    class Passage:
+        text = "See <image> here."
+
+    history = [Turn("What <image> is this?", "A chest <image> radiograph.")]
+    prompt = llava_pipeline.prompts.build("Is <image> there an effusion?", history, [Passage()])
+    assert sum(prompt.image_mask) == llava_pipeline.model.num_image_tokens
+    assert prompt.text.count("<image>") == 1
+    answer = list(llava_pipeline.ask(Conversation(image=_image(7)), "Describe <image> the image.", use_retrieval=False,
+                                     max_new_tokens=4, warm=False))[-1]
+    assert isinstance(answer, Done)
 
 
 def test_the_app_format_keeps_its_system_rules_and_question_line(tiny_pipeline):
@@ -174,31 +251,163 @@ def test_the_openai_engine_pads_with_the_same_colour():
 
 # --- 4. the export ---------------------------------------------------------------------------------
 
+# LLaVA's training code writes these into a checkpoint's language config (llava/train/train.py); they
+# mean nothing to a Hugging Face Mistral config.
+TRAINING_KEYS = {"mm_vision_tower": "openai/clip-vit-large-patch14-336", "mm_hidden_size": 1024,
+                 "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -2, "mm_use_im_start_end": False,
+                 "mm_use_im_patch_token": False, "mm_patch_merge_type": "flat", "mm_projector_lr": None,
+                 "mm_vision_tower_lr": None, "image_aspect_ratio": "pad", "tokenizer_model_max_length": 2048,
+                 "tokenizer_padding_side": "right", "tune_mm_mlp_adapter": False, "freeze_mm_mlp_adapter": False,
+                 "unfreeze_mm_vision_tower": False, "use_mm_proj": True}
+
+
 def test_the_export_is_one_servers_load(llava_pipeline, llava_settings, tmp_path):
+    from jinja2 import Template
     from safetensors import safe_open
+    from transformers import AutoTokenizer, LlavaProcessor, MistralConfig
 
     from medvqa.hf_export import export_llava
+    from medvqa.prompt import jinja_template
 
     decoder = copy.deepcopy(llava_pipeline.engine.language_model)
-    # A LLaVA-Med checkpoint's language config carries its training code's keys.
-    decoder.model.config.mm_vision_tower = "openai/clip-vit-large-patch14-336"
-    decoder.model.config.mm_hidden_size = 1024
-    decoder.model.config.tokenizer_model_max_length = 2048
+    for key, value in TRAINING_KEYS.items():  # as a LLaVA-Med checkpoint's language config carries them
+        setattr(decoder.model.config, key, value)
     folder = export_llava(llava_pipeline.model, decoder, tmp_path / "export", "tiny-llava-med", "mistral_instruct")
     config = json.loads((folder / "config.json").read_text())
     text = config["text_config"]
     assert text["architectures"] == ["MistralForCausalLM"] and text["model_type"] == "mistral"
-    assert not [key for key in text if key.startswith("mm_") or key == "tokenizer_model_max_length"]
+    assert not set(text) & set(TRAINING_KEYS) and set(text) <= set(MistralConfig().to_dict()) | {"architectures"}
     (weights,) = folder.glob("*.safetensors")
-    with safe_open(str(weights), "pt") as handle:
-        assert {handle.get_tensor(key).dtype for key in handle.keys()} == {torch.bfloat16}
-    template = json.loads((folder / "chat_template.json").read_text())["chat_template"] \
-        if (folder / "chat_template.json").is_file() else (folder / "chat_template.jinja").read_text()
-    from jinja2 import Template
-
+    with safe_open(str(weights), "pt") as handle:  # fp16, as the reference's builder runs
+        assert {handle.get_tensor(key).dtype for key in handle.keys()} == {torch.float16}
+    # One chat template, the format's, on the processor and on the tokenizer.
+    template = jinja_template(FORMATS["mistral_instruct"])
+    assert LlavaProcessor.from_pretrained(folder).chat_template == template
+    assert AutoTokenizer.from_pretrained(folder).chat_template == template
     rendered = Template(template).render(bos_token="<s>", messages=[
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
     assert rendered == "<s>" + llava_pipeline.prompts.build(QUESTION).text
+
+
+def test_the_exported_processor_pads_a_non_square_image_as_the_app(llava_pipeline, tmp_path):
+    """A client other than this app sends the image as it is: the exported processor pads it to a
+    square with the CLIP mean (expand2square) and resizes, giving the app's pixel values; a
+    centre crop (CLIP's own processor) would not."""
+    from transformers import AutoProcessor, CLIPImageProcessor
+
+    from medvqa.hf_export import export_llava
+
+    folder = export_llava(llava_pipeline.model, llava_pipeline.engine.language_model, tmp_path / "export",
+                          "tiny-llava-med", "mistral_instruct")
+    vision = llava_pipeline.model.vision
+    image = _image(8, shape=(40, 24))  # taller than wide
+    exported = AutoProcessor.from_pretrained(folder).image_processor(images=image, return_tensors="pt")["pixel_values"]
+    ours = vision.preprocess([image])
+    torch.testing.assert_close(exported, ours, atol=2e-2, rtol=0)
+    cropped = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                 image_mean=list(vision.mean), image_std=list(vision.std))(
+        images=image, return_tensors="pt")["pixel_values"]
+    assert float((cropped - ours).abs().max()) > 0.5
+
+
+def _final_hidden_state(model, **inputs) -> torch.Tensor:
+    """(d,) the input of the output head at the last position."""
+    captured = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: captured.append(args[0][0, -1]))
+    with torch.no_grad():
+        model(**inputs)
+    handle.remove()
+    return captured[0]
+
+
+def test_the_export_never_generates_the_image_token(llava_pipeline, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from medvqa.hf_export import export_llava
+
+    folder = export_llava(llava_pipeline.model, llava_pipeline.engine.language_model, tmp_path / "fp32",
+                          "tiny-llava-med", "mistral_instruct", dtype=torch.float32)
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    image_id = model.config.image_token_index
+    assert model.generation_config.suppress_tokens == [image_id]
+    prompt = llava_pipeline.prompts.build("Describe the image.")
+    ids = torch.tensor([[image_id if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+    inputs = {"input_ids": ids, "pixel_values": llava_pipeline.model.vision.preprocess([_image(9, (32, 32))])}
+    hidden = _final_hidden_state(model, **inputs)
+    with torch.no_grad():  # make <image> by far the likeliest next token
+        model.lm_head.weight[image_id] = 1e3 * hidden / hidden.norm() ** 2
+        unguarded = model.generate(**inputs, max_new_tokens=1, do_sample=False, suppress_tokens=None,
+                                   bad_words_ids=None)
+        guarded = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert unguarded[0, -1].item() == image_id  # the test can fail
+    assert image_id not in guarded[0, ids.shape[1]:].tolist()
+
+
+def test_the_app_never_generates_the_image_token(llava_pipeline):
+    """Nor does the app's own engine: a generated <image> would be an image slot in the next prompt."""
+    from medvqa.engines.transformers import TransformersEngine
+
+    language_model = copy.deepcopy(llava_pipeline.engine.language_model)
+    image_id = language_model.tokenizer.convert_tokens_to_ids("<image>")
+    prompt = llava_pipeline.prompts.build("Describe the image.")
+    image = _image(11, shape=(32, 32))
+    embeds = embed_prompt(language_model.embed, prompt.token_ids, prompt.image_mask,
+                          lambda: llava_pipeline.model.image_tokens(image))
+    hidden = _final_hidden_state(language_model.model, inputs_embeds=embeds)
+    with torch.no_grad():  # make <image> by far the likeliest next token
+        language_model.model.lm_head.weight[image_id] = 1e3 * hidden / hidden.norm() ** 2
+        assert int(language_model(embeds).logits[0, -1].argmax()) == image_id  # the test can fail
+    engine = TransformersEngine(language_model, llava_pipeline.settings.decoder)
+    try:
+        generated: list[int] = []
+        for _ in engine.generate(embeds, max_new_tokens=3, generated=generated):
+            pass
+    finally:
+        engine.close()
+    assert generated and image_id not in generated
+
+
+def test_the_export_adds_the_image_token_where_the_tokenizer_lacks_it(llava_pipeline, tmp_path):
+    """LLaVA-Med's tokenizer has no <image> (the reference uses an id outside the vocabulary): the export
+    adds it, grows the vocabulary by an inert row, and gives our logits on the original vocabulary."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration, MistralConfig, MistralForCausalLM
+
+    from medvqa.config import DecoderConfig
+    from medvqa.hf_export import export_llava
+    from medvqa.language_model import LanguageModel
+    from medvqa.tiny import build_mistral_tokenizer
+
+    tokenizer = build_mistral_tokenizer(image_token=False)
+    assert "<image>" not in tokenizer.get_vocab()
+    vocab = len(tokenizer)
+    width = llava_pipeline.engine.language_model.hidden_size
+    torch.manual_seed(1)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id))
+    decoder = LanguageModel(mistral, tokenizer, DecoderConfig())
+    folder = export_llava(llava_pipeline.model, decoder, tmp_path / "added", "tiny-llava-med", "mistral_instruct",
+                          dtype=torch.float32)
+    assert "<image>" not in tokenizer.get_vocab()  # the app's tokenizer is not changed
+    exported_tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_id = exported_tokenizer.convert_tokens_to_ids("<image>")
+    assert image_id == vocab and "<image>" in exported_tokenizer.all_special_tokens
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    assert model.config.image_token_index == image_id and model.config.text_config.vocab_size == vocab + 1
+    assert model.generation_config.suppress_tokens == [image_id]
+    # The same logits as our pipeline's on the original vocabulary, for a prompt with the image.
+    builder = PromptBuilder(tokenizer, llava_pipeline.model.num_image_tokens, format=FORMATS["mistral_instruct"])
+    prompt = builder.build(QUESTION)
+    image = _image(10, shape=(32, 32))
+    ours_embeds = embed_prompt(decoder.embed, prompt.token_ids, prompt.image_mask,
+                               lambda: llava_pipeline.model.image_tokens(image))
+    ids = torch.tensor([[image_id if m else t for t, m in zip(prompt.token_ids, prompt.image_mask)]])
+    with torch.no_grad():
+        ours = decoder(ours_embeds).logits
+        theirs = model(input_ids=ids, pixel_values=llava_pipeline.model.vision.preprocess([image])).logits
+    torch.testing.assert_close(theirs[..., :vocab], ours, atol=1e-4, rtol=1e-4)
+    assert float(theirs[..., image_id].abs().max()) == 0.0  # an inert row, and suppressed above
 
 
 def test_the_export_generates_what_the_pipeline_generates(llava_pipeline, tmp_path):
@@ -302,3 +511,14 @@ def test_the_install_check_runs_on_the_tiny_llava_med_profile(tiny_cache):
     assert result["n"] == 4 and result["n_closed"] == 2 and result["n_open"] == 2
     assert 0.0 <= result["closed_accuracy"] <= 1.0 and result["ttft_p50_s"] is not None
     assert "published for scale" in completed.stdout
+
+
+def test_the_prepared_cuda_check_says_when_there_is_no_gpu(monkeypatch, capsys):
+    """scripts/check_cuda.py (issue 33, step 4) runs on a GPU machine; without one it says so."""
+    from .conftest import load_script
+
+    script = load_script("check_cuda")
+    assert script.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert script.first_difference([1, 2, 3], [1, 5, 3]) == 1 and script.first_difference([1, 2], [1, 2, 3]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert script.main([]) == 2 and "no CUDA device" in capsys.readouterr().err

@@ -163,3 +163,23 @@ def test_closed_answers_show_their_confidence_an_uncertain_one_says_it_and_an_un
                          "stopped": False, "citations": [], "closed": {"choice": "yes", "abstained": True,
                                                                        "confidence": 0.55}}]}
     assert "- Confidence: 55 %; not answered (uncertain)" in export_markdown(record)
+
+
+def test_a_closed_question_answered_in_free_text_says_its_confidence_is_not_measured():
+    """Option scoring off (the llava-med profile's reference mode): no confidence, and the chat and
+    the transcript say it was not measured."""
+    from medvqa.pipeline import UNSCORED_CLOSED_NOTE
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import export_markdown
+
+    answer = _Answer("Is the heart enlarged?", scan=None, passages=[], text="Yes, the heart is enlarged.",
+                     confidence_note=UNSCORED_CLOSED_NOTE)
+    rendered = _render_answer(answer, final=True)
+    assert "Confidence: not measured" in rendered and "medvqa-uncertain" not in rendered
+    record = {"notice": "n", "exported_at": "t", "profile": "llava-med",
+              "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": answer.question, "answer": answer.text, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [],
+                         "closed": {"choice": answer.text, "abstained": False, "confidence": None, "scored": False}}]}
+    assert "- Confidence: not measured" in export_markdown(record)

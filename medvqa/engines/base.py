@@ -17,7 +17,7 @@ from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
-from ..prompt import Prompt
+from ..prompt import IMAGE_PLACEHOLDER, Prompt
 
 
 @dataclass
@@ -96,6 +96,14 @@ def sample_next_token(logits: np.ndarray, temperature: float, top_p: float, rng:
         kept[order[before < top_p]] = probs[order[before < top_p]]
         probs = kept
     return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+
+def never_sampled_ids(tokenizer) -> list[int]:
+    """Ids no answer may contain: the image placeholder's, where the vocabulary has one (generated, it
+    would be an image slot in the next turn's prompt; LLaVA's reference keeps it outside the vocabulary,
+    so its model never generates it)."""
+    token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER) if tokenizer is not None else None
+    return [token_id] if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else []
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

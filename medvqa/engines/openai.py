@@ -93,6 +93,8 @@ class OpenAIEngine(Engine):
             "top_p": self.config.top_p,
             "stream": True,
         }
+        if self.config.remote_image_token_id >= 0:  # never generate the image token
+            body["logit_bias"] = {str(self.config.remote_image_token_id): -100}
         where = self.config.base_url
         try:
             with contextlib.ExitStack() as stack:

@@ -26,8 +26,8 @@ from ..cache import LRU
 from ..config import DecoderConfig
 from ..language_model import LanguageModel
 from ..model import embed_prompt
-from .base import Detokenizer, Engine, EngineRequest, log_softmax, sample_next_token, shared_prefix, \
-    stop_token_ids
+from .base import Detokenizer, Engine, EngineRequest, log_softmax, never_sampled_ids, sample_next_token, \
+    shared_prefix, stop_token_ids
 from .cpu_fast import LlamaDecodeStep
 from .torch_steps import PREFILL_CHUNK, StepBatcher
 
@@ -50,6 +50,7 @@ class TransformersEngine(Engine):
         self.hidden_size = language_model.hidden_size
         model = language_model.model
         self.stop_ids = stop_token_ids(self.tokenizer, [getattr(model.generation_config, "eos_token_id", None)])
+        self.never_ids = never_sampled_ids(self.tokenizer)  # <image>: never generated
         # Prefill and decoded tokens on CPU skip the transformers forward's overhead (cpu_fast.py).
         self.fast_step = LlamaDecodeStep.build(model) if config.cpu_fast_decode else None
         self.prefixes = LRU(prefix_cache_size)
@@ -179,7 +180,9 @@ class TransformersEngine(Engine):
         cache_length += inputs_embeds.shape[1]
         with self.batcher.generating() if self.batcher is not None else contextlib.nullcontext():
             for step in range(max_new_tokens):
-                token = sample_next_token(logits[0].cpu().numpy(), config.temperature, config.top_p, rng)
+                scores = np.array(logits[0].float().cpu().numpy())  # (V,) a copy: masked below
+                scores[self.never_ids] = -np.inf
+                token = sample_next_token(scores, config.temperature, config.top_p, rng)
                 if token in self.stop_ids and not ignore_eos:
                     break
                 generated.append(token)

@@ -127,8 +127,9 @@ def chunk_text(text: str, count_tokens: TokenCounter, max_tokens: int, overlap: 
 
     Windows end at sentence boundaries where they can; a sentence longer than a window is cut
     between words. Tokens are the embedder's own, so no window is truncated by the encoder.
+    `max_tokens` 0 keeps the text whole.
     """
-    if len(text) <= max_tokens:  # a word-piece token covers at least one character
+    if max_tokens <= 0 or len(text) <= max_tokens:  # a word-piece token covers at least one character
         return [text]
     if count_tokens([text])[0] <= max_tokens:
         return [text]

@@ -150,7 +150,8 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
         raise RetrievalError(f"{index_dir} has no {MANIFEST}; it is not an index this app built.")
 
     model = load_embedder(passage_embedder or embedder, device=device, pooling=pooling, normalize=normalize)
-    max_tokens = min(chunk_tokens, model.max_tokens - 2)  # room for [CLS] and [SEP]
+    # Room for [CLS] and [SEP]; 0 keeps every text whole (the encoder truncates as its reference does).
+    max_tokens = min(chunk_tokens, model.max_tokens - 2) if chunk_tokens > 0 else 0
     staging = index_dir.parent / f".{index_dir.name}.building"
     key = {"embedder": embedder, "passage_embedder": passage_embedder or embedder, "pooling": pooling,
            "normalized": normalize, "passage_title": passage_title, "max_tokens": max_tokens,

@@ -13,6 +13,10 @@ One search, top to bottom:
    `relevance_margin` of the best candidate's, so one strong match is not padded with weak ones;
 5. near-duplicates (same normalised text, or vectors closer than `duplicate_cosine`) collapse onto
    the better-ranked passage.
+
+With a cross-encoder configured (`cross_encoder`, the llava-med profile's MedCPT-Cross-Encoder), the
+first `rerank_candidates` fused passages are re-ordered by its score of (bare question, passage)
+before steps 4 and 5 (retrieval/cross_encoder.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from medvqa.config import RetrievalConfig
 from medvqa.retrieval.bm25 import STEMMER, SparseIndex
+from medvqa.retrieval.cross_encoder import CrossEncoder, article_text, load_cross_encoder
 from medvqa.retrieval.embed import Embedder, load_embedder
 from medvqa.retrieval.errors import RetrievalError
 from medvqa.retrieval.index import (BM25_DIR, FAISS_FILE, FORMAT_VERSION, STORE_FILE, check_embedder,
@@ -46,7 +51,9 @@ class Passage:
     source: str
     license: str
     score: float  # fused reciprocal-rank score (higher is better)
-    ranks: dict[str, int] = field(default_factory=dict)  # 1-based rank in each retriever, e.g. {"dense": 1, "bm25": 4}
+    # 1-based rank in each retriever, e.g. {"dense": 1, "bm25": 4}, and in the cross-encoder's order
+    # ("cross_encoder") when one re-ranked it
+    ranks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,8 +71,10 @@ class Retriever:
     """An opened index. Safe to share between threads: every stateful part sits behind a lock."""
 
     def __init__(self, config: RetrievalConfig, index_dir: Path, manifest: dict, index: faiss.Index | RerankedIndex,
-                 sparse: SparseIndex, store: PassageStore, embedder: Embedder):
+                 sparse: SparseIndex, store: PassageStore, embedder: Embedder,
+                 cross_encoder: CrossEncoder | None = None):
         self.config = config
+        self.cross_encoder = cross_encoder
         self.index_dir = index_dir
         self.manifest = manifest
         self.index = index
@@ -89,6 +98,11 @@ class Retriever:
                                  f"format {FORMAT_VERSION}. Rebuild it with scripts/build_index.py --overwrite.")
         check_embedder(manifest, config.embedder, config.passage_embedder, config.pooling, index_dir,
                        config.normalize, config.passage_title)
+        whole = manifest.get("chunking", {}).get("max_tokens", 1) == 0
+        if whole != (config.chunk_tokens <= 0):
+            raise RetrievalError(f"The index at {index_dir} holds {'whole texts' if whole else 'chunks'}, but "
+                                 f"retrieval.chunk_tokens is {config.chunk_tokens}; rebuild it with "
+                                 f"scripts/build_index.py --overwrite.")
         if manifest.get("bm25", {}).get("stemmer") != STEMMER:
             raise RetrievalError(f"The BM25 index at {index_dir} was tokenised differently; rebuild it.")
         for name in (FAISS_FILE, STORE_FILE, BM25_DIR):
@@ -107,7 +121,8 @@ class Retriever:
         if len(set(counts.values())) != 1:
             raise RetrievalError(f"The index at {index_dir} is inconsistent ({counts}); rebuild it with "
                                  f"scripts/build_index.py --overwrite.")
-        return cls(config, index_dir, manifest, index, sparse, store, embedder)
+        cross_encoder = load_cross_encoder(config.cross_encoder, config.device) if config.cross_encoder else None
+        return cls(config, index_dir, manifest, index, sparse, store, embedder, cross_encoder)
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
@@ -120,6 +135,8 @@ class Retriever:
         ranking = self.rank(query, safe_meta, depth=max(self.config.candidates, 4 * k))
         if not ranking.fused:
             return []
+        if self.cross_encoder is not None:
+            ranking.fused = self.rerank(sanitize_query(query), ranking.fused)
         rows = [row for row, _, _ in ranking.fused]
         vectors = self._vectors(rows)  # (C, d)
         relevance = vectors @ ranking.question_vector  # (C,) score with the bare question (cosine or inner product)
@@ -151,6 +168,19 @@ class Retriever:
             if len(kept) == k:
                 break
         return kept
+
+    def rerank(self, question: str, fused: list[tuple[int, float, dict[str, int]]]) -> list[tuple[int, float, dict]]:
+        """The first `rerank_candidates` of `fused` in the cross-encoder's order (best first, ties in
+        fused order), each with its rank there; the rest after them as they were."""
+        head, tail = fused[:self.config.rerank_candidates], fused[self.config.rerank_candidates:]
+        records = self.store.get([row for row, _, _ in head])
+        found = [item for item in head if item[0] in records]
+        scores = self.cross_encoder.score(question, [article_text(records[row]["title"], records[row]["text"])
+                                                     for row, _, _ in found])  # (C,)
+        order = np.argsort(-scores, kind="stable")
+        reranked = [(row, score, {**ranks, "cross_encoder": rank})
+                    for rank, (row, score, ranks) in enumerate((found[i] for i in order), start=1)]
+        return reranked + [item for item in head if item[0] not in records] + tail
 
     def topic_score(self, question_vector: np.ndarray) -> float:
         """Cosine between a question and the corpus centroid: how much it is about what the corpus covers."""

@@ -62,7 +62,11 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         body = "_(The model gave no answer.)_"
     warning = _injection_html(answer.injection) + "\n\n" if answer.injection is not None else ""
     reliance = _reliance_html(answer.closed) + "\n\n" if answer.closed and answer.closed.get("flagged") else ""
-    confidence = _confidence_html(answer.closed) + "\n\n" if answer.closed and "kind" in answer.closed else ""
+    if answer.closed and "kind" in answer.closed:
+        confidence = _confidence_html(answer.closed) + "\n\n"
+    else:  # a closed question answered in free text says its confidence was not measured
+        note = answer.confidence_note
+        confidence = f'<div class="medvqa-confidence">{html.escape(note)}</div>\n\n' if note else ""
     return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
                                                                 answer.support)
 

@@ -110,6 +110,7 @@ class _Answer:
     injection: InjectionFinding | None = None  # the answer repeats an instruction or link from a passage
     support: list = field(default_factory=list)  # per passage: ("supports" | "related", phrase matched)
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
+    confidence_note: str = ""  # a closed question answered in free text: why it has no confidence
 
     def _marks(self) -> list:
         """One support mark per passage (a passage without one is related literature)."""
@@ -124,7 +125,9 @@ class _Answer:
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
                                "confidence": self.closed["confidence"],
                                **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {})}}
-                   if self.closed and "kind" in self.closed else {}),
+                   if self.closed and "kind" in self.closed else
+                   {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
+                   if self.confidence_note else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),
