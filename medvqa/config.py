@@ -142,12 +142,22 @@ class RetrievalConfig:
 
 
 @dataclass
+class ServingConfig:
+    # Decoded scan pixels all sessions of the app hold together (MiB): past it the least recently used
+    # sessions' pixels are dropped and decoded again when next used; a scan needing more alone is refused.
+    decoded_scans_mb: int = 512
+    pacs_find_s: float = 40.0  # deadline of one PACS Find (app.py --pacs-url), all its queries together
+    pacs_open_s: float = 300.0  # deadline of one PACS Load: every instance of the series
+
+
+@dataclass
 class Settings:
     profile: Literal["offline", "llava-med", "tiny", "tiny-llava-med"] = DEFAULT_PROFILE
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cache_dir: str = str(Path.home() / ".cache" / "medvqa")  # converted models, features, tiny models

@@ -258,3 +258,34 @@ def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, uploa
     finally:
         context.close()
         demo.close()
+
+
+def test_two_questions_asked_100_ms_apart_both_get_answers(page):
+    """A question asked while the previous answer is still coming (or still warming the next turn) is
+    queued and answered, never dropped; the box is free for it at once and keeps what is typed."""
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    box = page.locator("#medvqa-question textarea")
+    questions = ["Is there a pleural effusion?", "Is the heart enlarged?", "Is this a CT scan?"]
+
+    def ask(text: str) -> None:
+        box.fill(text)
+        page.click("#medvqa-ask")
+
+    def answered(count: int) -> None:
+        page.wait_for_function(
+            "n => document.querySelectorAll(\"#medvqa-chat [data-testid='bot'] .medvqa-sources\").length >= n",
+            arg=count, timeout=240_000)
+
+    ask(questions[0])
+    page.wait_for_timeout(100)
+    ask(questions[1])
+    answered(2)
+    # The moment an answer is complete (the previous turn is still warming the next one), ask again.
+    ask(questions[2])
+    answered(3)
+    users = page.locator("#medvqa-chat [data-testid='user']")
+    assert [users.nth(i).inner_text().strip() for i in range(users.count())] == questions
+    bots = page.locator("#medvqa-chat [data-testid='bot']")
+    assert bots.count() == 3 and "medvqa-error" not in page.inner_html("#medvqa-chat")
+    assert box.input_value() == ""
+    screenshot(page, "07-two-questions-queued.png")

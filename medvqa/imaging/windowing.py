@@ -87,6 +87,34 @@ class _Frame:
             self.lowest, self.level_count = lowest, highest - lowest + 1
 
 
+class _LastFrame:
+    """Frames decoded on demand by `_decode(index)`, the last one kept for re-windowing until
+    `forget` (the app's memory budget calls it, medvqa/ui/budget.py)."""
+
+    _cached: tuple[int, _Frame] | None = None
+
+    def _decode(self, index: int) -> _Frame:
+        raise NotImplementedError
+
+    def load(self, index: int) -> _Frame:
+        cached = self._cached
+        if cached is not None and cached[0] == index:
+            return cached[1]
+        decoded = self._decode(index)
+        self._cached = (index, decoded)
+        return decoded
+
+    def forget(self) -> None:
+        self._cached = None
+
+    def held(self) -> int:
+        """Bytes of decoded pixels kept."""
+        cached = self._cached
+        if cached is None:
+            return 0
+        return cached[1].values.nbytes + (cached[1].levels.nbytes if cached[1].levels is not None else 0)
+
+
 def _default_window(decoded: _Frame) -> Window | None:
     """The window used when none is asked for: the file's own, else a robust automatic one."""
     if decoded.is_color:
