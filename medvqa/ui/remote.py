@@ -8,7 +8,13 @@ the chat, the logs nor the export ever show it. What the tab keeps is the list o
 A Find or a Load runs in the "pacs" concurrency group, never in the one that decodes uploads, and
 takes no lock others wait on (medvqa/pacs.py): a slow archive costs its own user time only. When the
 tab goes away its Find or Load is cancelled (`tab_closed`, the page's unload event): no further
-request is made for it.
+request is made for it. One still queued then never starts: Gradio drops a tab's queued events when
+its data stream closes.
+
+Gradio runs the unload event when the tab's heartbeat connection (/gradio_api/heartbeat/{session})
+closes: at once when a browser tab closes. A gradio_client Client's close() only lets its heartbeat
+thread end when the next heartbeat arrives (every 15 s by default), so a script's "tab" ends up to
+15 s after close().
 """
 
 from __future__ import annotations
@@ -41,8 +47,12 @@ class _PacsHandlers:
 
     @contextmanager
     def _transfer(self, request: gr.Request | None) -> Iterator[threading.Event]:
-        """A cancel event for one Find or Load of the tab, set by `tab_closed`."""
-        cancel, tab = threading.Event(), getattr(request, "session_hash", None) or ""
+        """A cancel event for one Find or Load of the tab, set by `tab_closed`. A call without a
+        session (no tab) has nothing to close it, and is not cancelled with another's tab."""
+        cancel, tab = threading.Event(), getattr(request, "session_hash", None)
+        if not tab:
+            yield cancel
+            return
         with self._lock:
             self._running.setdefault(tab, set()).add(cancel)
         try:
@@ -56,8 +66,11 @@ class _PacsHandlers:
 
     def tab_closed(self, request: gr.Request) -> None:
         """The page's unload event: the tab's transfers stop (no request is made for it after this)."""
+        tab = getattr(request, "session_hash", None)
+        if not tab:
+            return
         with self._lock:
-            events = self._running.pop(getattr(request, "session_hash", None) or "", set())
+            events = self._running.pop(tab, set())
         for cancel in events:
             cancel.set()
 
