@@ -30,23 +30,23 @@ def test_decoded_scans_stay_within_the_budget_and_come_back_identical(ui_pipelin
     from medvqa.config import ServingConfig
     from medvqa.ui.handlers import _Handlers
 
-    settings = dataclasses.replace(ui_pipeline.settings, serving=ServingConfig(decoded_scans_mb=4))
+    settings = dataclasses.replace(ui_pipeline.settings, serving=ServingConfig(decoded_scans_mb=2))
     handlers = _Handlers(ui_pipeline, settings, max_upload_mb=MAX_UPLOAD_MB)
-    # 500 × 500 RGB: 0.75 MB rendered + 2.25 MB kept (the decoded frame and its level indexes): two
-    # such sessions exceed 4 MB.
+    # 500 × 500 RGB: 0.75 MB rendered + 0.75 MB kept (the decoded frame, its own level indexes): two
+    # such sessions exceed 2 MB.
     *_, first = handlers.upload(png_upload(upload_folder, "a", 500, 0), None)
     shown = first.scan.pixels.copy()
     digest = first.conversation.digest
     *_, second = handlers.upload(png_upload(upload_folder, "b", 500, 1), None)
     assert first.scan.pixels is None and first.conversation.image is None  # the least recently used went
-    assert second.scan.pixels is not None and handlers.budget.held() <= 4 * 2**20
+    assert second.scan.pixels is not None and handlers.budget.held() <= 2 * 2**20
     handlers.warm(first)  # using a dropped session decodes it again, exactly as it was shown
     assert np.array_equal(first.scan.pixels, shown) and np.array_equal(first.conversation.image, shown)
     assert first.conversation.digest == digest  # the model's caches for it stay valid
-    assert second.scan.pixels is None and handlers.budget.held() <= 4 * 2**20
+    assert second.scan.pixels is None and handlers.budget.held() <= 2 * 2**20
     # One scan that alone needs more than the budget is refused, and the tab keeps what it had.
     *_, chat, kept = handlers.upload(png_upload(upload_folder, "c", 1200, None), first)
-    assert kept is first and "more than the 4 MB the server keeps for decoded scans" in last_reply(chat)
+    assert kept is first and "more than the 2 MB the server keeps for decoded scans" in last_reply(chat)
     assert "serving.decoded_scans_mb" in last_reply(chat)
     for session in (first, second):
         session.close()
