@@ -76,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
     pacs = None
     if args.pacs_url:
-        from medvqa.pacs import Pacs
+        from medvqa.pacs import Pacs, PacsLimits
 
         try:
-            pacs = Pacs(args.pacs_url)
+            pacs = Pacs(args.pacs_url, limits=PacsLimits(find_s=settings.serving.pacs_find_s,
+                                                         open_s=settings.serving.pacs_open_s))
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

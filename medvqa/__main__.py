@@ -141,7 +141,7 @@ def _ask(args) -> int:
     from .imaging import ScanError, open_study, parse_window
     from .injection import check_answer
     from .pipeline import Done, Pipeline, Sources, Token
-    from .safe_text import inert, safe_url
+    from .safe_text import inert, safe_url, visible
 
     try:
         series = open_study(args.image).series[0]
@@ -156,7 +156,7 @@ def _ask(args) -> int:
     try:
         for event in pipeline.ask(conversation, args.question, safe_meta=scan.safe_meta):
             if isinstance(event, Token):
-                print(event.text, end="", flush=True)
+                print(visible(event.text), end="", flush=True)  # a bidirectional override never reaches the terminal
             elif isinstance(event, Done):
                 print()
                 finding = check_answer(event.answer, event.passages, question=args.question)

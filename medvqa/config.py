@@ -155,12 +155,22 @@ class RetrievalConfig:
 
 
 @dataclass
+class ServingConfig:
+    # Decoded scan pixels all sessions of the app hold together (MiB): past it the least recently used
+    # sessions' pixels are dropped and decoded again when next used; a scan needing more alone is refused.
+    decoded_scans_mb: int = 512
+    pacs_find_s: float = 40.0  # deadline of one PACS Find (app.py --pacs-url), all its queries together
+    pacs_open_s: float = 300.0  # deadline of one PACS Load: every instance of the series
+
+
+@dataclass
 class Settings:
     profile: Literal["offline", "llava-med", "tiny", "tiny-llava-med"] = DEFAULT_PROFILE
     vision: VisionConfig = field(default_factory=VisionConfig)
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", "mps"
     # "auto": bf16 on CUDA where supported, else fp16; fp16 on MPS; fp32 on CPU. "float16_on_gpu": fp16
     # on CUDA and MPS, fp32 on CPU (LLaVA-Med's reference runs fp16 throughout).

@@ -1,15 +1,32 @@
 """Opening a study from a PACS over DICOMweb: QIDO-RS to find its series, WADO-RS to fetch one.
 
-    Pacs(url).find_series(identifier) ─▶ [RemoteSeries(number, modality, slices)]   (allow-listed fields)
-    Pacs(url).fetch(series, progress)  ─▶ Study (medvqa.imaging: the same allow-list as an upload)
+    Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, slices)]   (allow-listed)
+    Pacs(url).fetch(series, progress, cancel)  ─▶ Study (medvqa.imaging: the same allow-list as an upload)
 
 The identifier a clinician types (a Study Instance UID or an accession number) is used for the query
-only: it is never logged, shown back, kept or exported. dicomweb-client logs request URLs (which hold
-it) and pydicom may quote values while parsing, so their log records are dropped while a query or a
-fetch runs (imaging's guard). The UIDs needed to fetch a series stay inside `RemoteSeries` in server
-memory and are never shown; what is shown is the modality and the slice count. Each fetched instance
-is serialised back to Part 10 bytes and opened by medvqa.imaging like an uploaded file; the parsed
-dataset is dropped at once. Nothing is written to disk.
+only: it is never logged, shown back, kept or exported. urllib3 logs request URLs (which hold it), so
+its log records are dropped while a query or a fetch runs (imaging.guard._quiet_logs, which takes no
+lock: the network never waits on, or holds up, anyone's decoding). The UIDs needed to fetch a series
+stay inside `RemoteSeries` in server memory and are never shown. Each instance arrives as the bytes
+of a DICOM file and is opened by medvqa.imaging like an uploaded file. Nothing is written to disk.
+
+A slow or hostile archive costs its own user time, no one else's, and a bounded amount of it:
+
+- every request has a connect timeout, and each *Find* and each *Open* an overall deadline that
+  covers all the requests it makes (`PacsLimits`); at the deadline the transfer is cut, a request
+  waiting for its answer gives up, and the clinician reads what happened;
+- one answer is read as it arrives and never past its limit: a QIDO answer is taken entry by entry up
+  to `max_answer_entries` / `max_answer_bytes`, at most `max_studies` distinct studies and
+  `max_series` distinct series are taken from a Find (so at most 1 + `max_studies` requests), and an
+  instance or a series past the upload limits (ScanLimits.max_bytes, max_total_bytes, max_files) is
+  refused while it arrives, not after it was read whole;
+- a redirect is followed only to the archive's own origin (scheme, host and port), three at most;
+- `cancel` (a threading.Event, set when the tab goes away) stops the transfer: no request starts
+  after it is set, and the one in progress is cut.
+
+Why not dicomweb-client: it reads a QIDO answer whole, retries a timed-out request five times, parses
+every instance with pydicom while it reads (so the parse would run outside the decode guard, or the
+network inside it), and offers no hook for a deadline, a size cap or cancellation.
 
 Credentials come from the environment: MEDVQA_PACS_USERNAME and MEDVQA_PACS_PASSWORD (HTTP basic),
 or MEDVQA_PACS_TOKEN (a bearer token).
@@ -17,25 +34,47 @@ or MEDVQA_PACS_TOKEN (a bearer token).
 
 from __future__ import annotations
 
-import io
+import contextlib
+import json
 import os
 import re
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
+from urllib.parse import quote, urljoin, urlsplit
 
 from .imaging import ScanError, ScanLimits, Study, open_study
 from .imaging.defined_terms import MODALITY
-from .imaging.guard import _quiet_libraries
+from .imaging.guard import _quiet_logs
 
 ENV_USERNAME, ENV_PASSWORD, ENV_TOKEN = "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN"
 _UID = re.compile(r"[0-9]+(\.[0-9]+)+")
 _MODALITY, _STUDY_UID, _SERIES_UID, _COUNT = "00080060", "0020000D", "0020000E", "00201209"
 _ACCESSION = re.compile(r"[A-Za-z0-9 ._/-]{1,16}")  # DICOM SH: 16 characters
+_CHUNK = 64 * 1024
+_MAX_PART_HEADER = 16 * 1024
+_MAX_REDIRECTS = 3
 
 
 class PacsError(Exception):
     """A query or a fetch failed. The message is for a clinician and never quotes the identifier,
     a URL or the archive's own error text."""
+
+
+@dataclass(frozen=True)
+class PacsLimits:
+    """What one Find and one Open may cost. The sizes of instances and series are the upload's
+    (ScanLimits), so a study from the PACS is held to what an uploaded one is."""
+
+    connect_s: float = 5.0  # to open a connection to the archive
+    find_s: float = 40.0  # one Find, all its queries together
+    open_s: float = 300.0  # one Open: every instance of the series
+    max_studies: int = 10  # distinct studies taken from an accession number's answer
+    max_series: int = 200  # distinct series listed for one Find
+    max_answer_entries: int = 5_000  # entries read from one QIDO answer (copies of one study included)
+    max_answer_bytes: int = 4 * 2**20  # bytes read from one QIDO answer
 
 
 @dataclass
@@ -50,101 +89,431 @@ class RemoteSeries:
                f"slice{'s' if self.slices != 1 else ''}"
 
 
+class FoundSeries(list):
+    """The series of a Find (a list of RemoteSeries); `capped` when the caps left some out."""
+
+    capped = False
+
+
 class Pacs:
-    """A DICOMweb endpoint (e.g. Orthanc's http://host:8042/dicom-web)."""
+    """A DICOMweb endpoint (e.g. Orthanc's http://host:8042/dicom-web). Shared by every session of the
+    app: each Find or Open makes its own HTTP session, so none waits on another's."""
 
-    def __init__(self, url: str, env: dict[str, str] | None = None, timeout_s: float = 30):
-        from dicomweb_client import DICOMwebClient
-        from dicomweb_client.session_utils import create_session_from_auth
-        from requests.auth import HTTPBasicAuth
-
+    def __init__(self, url: str, env: dict[str, str] | None = None, limits: PacsLimits | None = None):
         env = os.environ if env is None else env
         user, password, token = env.get(ENV_USERNAME, ""), env.get(ENV_PASSWORD, ""), env.get(ENV_TOKEN, "")
         if bool(user) != bool(password):
             raise ValueError(f"Set both {ENV_USERNAME} and {ENV_PASSWORD} for the PACS, or neither.")
-        session = create_session_from_auth(HTTPBasicAuth(user, password)) if user else None
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._client = DICOMwebClient(url.rstrip("/"), session=session, headers=headers, timeout=timeout_s)
+        parts = urlsplit(url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("The PACS URL must be an http:// or https:// address, e.g. http://pacs:8042/dicom-web.")
+        self.url = url.strip().rstrip("/")
+        self.limits = limits or PacsLimits()
+        self._auth = (user, password) if user else None
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def find_series(self, identifier: str) -> list[RemoteSeries]:
+    def find_series(self, identifier: str, cancel: threading.Event | None = None) -> FoundSeries:
         """The series of the study named by `identifier` (a Study Instance UID, or else an accession
-        number). Raises PacsError when nothing is found or the archive cannot be reached."""
+        number). Raises PacsError when nothing is found, the archive cannot be reached, or the Find
+        runs past its deadline or is cancelled."""
         identifier = (identifier or "").strip()
+        limits = self.limits
         if _UID.fullmatch(identifier) and len(identifier) <= 64:
-            studies = [identifier]
+            by_uid = True
         elif _ACCESSION.fullmatch(identifier):
-            found = self._call(self._client.search_for_studies, search_filters={"AccessionNumber": identifier},
-                               fields=["StudyInstanceUID"])
-            studies = [uid for uid in (_value(study, _STUDY_UID) for study in found) if uid]
+            by_uid = False
         else:
             raise PacsError("Please type a Study Instance UID (digits and dots) or an accession number "
                             "(up to 16 letters and digits).")
-        listed = []
-        for study in studies:
-            for item in self._call(self._client.search_for_series, study_instance_uid=study,
-                                   fields=["Modality", "NumberOfSeriesRelatedInstances"]):
-                series_uid = _value(item, _SERIES_UID)
-                if series_uid:
+        with _Transfer(self, limits.find_s, cancel, "search") as transfer:
+            capped = False
+            if by_uid:
+                studies = [identifier]
+            else:
+                studies = []
+                answer = transfer.json_entries("/studies", [("AccessionNumber", identifier),
+                                                            ("includefield", "StudyInstanceUID"),
+                                                            ("limit", str(limits.max_answer_entries))])
+                for entry in answer:
+                    uid = _value(entry, _STUDY_UID)
+                    if isinstance(uid, str) and _UID.fullmatch(uid) and uid not in studies:
+                        if len(studies) == limits.max_studies:
+                            capped = True
+                            break
+                        studies.append(uid)
+                capped = capped or answer.capped
+            listed, seen = FoundSeries(), set()
+            for study in studies:
+                if len(listed) >= limits.max_series:
+                    capped = True
+                    break
+                answer = transfer.json_entries(f"/studies/{quote(study)}/series",
+                                               [("includefield", "Modality"),
+                                                ("includefield", "NumberOfSeriesRelatedInstances"),
+                                                ("limit", str(limits.max_answer_entries))])
+                for item in answer:
+                    series_uid = _value(item, _SERIES_UID)
+                    if not isinstance(series_uid, str) or not _UID.fullmatch(series_uid) or series_uid in seen:
+                        continue
+                    if len(listed) == limits.max_series:
+                        capped = True
+                        break
+                    seen.add(series_uid)
                     modality = str(_value(item, _MODALITY) or "")
                     count = _value(item, _COUNT)
                     listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
-                                               int(count) if isinstance(count, (int, float)) else 0,
-                                               (study, str(series_uid))))
+                                               int(count) if isinstance(count, (int, float)) and count >= 0 else 0,
+                                               (study, series_uid)))
+                capped = capped or answer.capped
         if not listed:
             raise PacsError("No study with that identifier was found in the PACS.")
+        listed.capped = capped
         return listed
 
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
-              limits: ScanLimits | None = None) -> Study:
-        """Fetch the series' instances one at a time (`progress(done, total)` after each) and open them
-        as a study, through the same allow-list as an upload."""
+              limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> Study:
+        """Fetch the series' instances as they arrive (`progress(done, total)` after each) and open them
+        as a study, through the same allow-list as an upload. An instance past `limits.max_bytes`, or a
+        series past `limits.max_total_bytes` or `limits.max_files`, is refused while it arrives."""
         limits = limits or ScanLimits()
-        instances = self._call(self._client.iter_series, *series._uids)
+        study, series_uid = series._uids
         files: list[bytes] = []
-        while True:
-            dataset = self._call(next, instances, None)
-            if dataset is None:
-                break
-            if len(files) >= limits.max_files:
-                raise PacsError(f"This series has more than {limits.max_files:,} instances; at most that many "
-                                "are opened at once.")
-            files.append(self._call(_part10, dataset))
-            del dataset  # the parsed instance, identifying tags and all, is dropped here
-            if progress is not None:
-                progress(len(files), max(series.slices, len(files)))
+        with _Transfer(self, self.limits.open_s, cancel, "download") as transfer:
+            for part in transfer.dicom_parts(f"/studies/{quote(study)}/series/{quote(series_uid)}", limits):
+                files.append(part)
+                if progress is not None:
+                    progress(len(files), max(series.slices, len(files)))
         if not files:
             raise PacsError("The PACS returned no instances for that series.")
         try:
-            return open_study(files, limits)
+            return open_study(files, limits)  # decoded under imaging's guard, after the network is done
         except ScanError as error:
             raise PacsError(f"The series could not be opened: {error}") from None
 
-    def _call(self, function: Callable, *args, **kwargs):
-        """One request (or one parsed instance) with library logs dropped; any failure becomes a
-        PacsError of our own words (the library's text can hold the URL, and so the identifier)."""
-        failure = None
+
+class _Answer(list):
+    """The entries read from one QIDO answer, and whether more were left unread."""
+
+    capped = False
+
+
+class _Transfer:
+    """One Find or one Open: its HTTP session, deadline and cancellation. A watchdog thread shuts the
+    transfer's sockets at the deadline or on cancellation, so that a read blocked on a silent archive
+    (waiting for an answer, or for the rest of one) ends at once."""
+
+    def __init__(self, pacs: Pacs, budget_s: float, cancel: threading.Event | None, what: str):
+        import requests
+
+        self.pacs = pacs
+        self.what = what  # "search" | "download", for the messages
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s
+        self.cancel = cancel or threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._cut = False
+        self._done = threading.Event()
+        self.session = requests.Session()
+        self.session.trust_env = False  # no proxy or .netrc from the environment: the URL given is the archive
+        for scheme in ("http://", "https://"):
+            self.session.mount(scheme, _TrackingAdapter(self._opened))
+        if pacs._auth:
+            self.session.auth = pacs._auth
+        self.session.headers.update(pacs._headers)
+        self._origin = _origin(pacs.url)
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="medvqa-pacs-watchdog")
+
+    def __enter__(self) -> _Transfer:
+        self._watchdog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.session.close()
+
+    # --- limits --------------------------------------------------------------------------
+
+    def _opened(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self._cut:
+                _shut(sock)
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            if self.cancel.is_set() or time.monotonic() >= self.deadline:
+                with self._lock:
+                    self._cut = True
+                    for sock in self._sockets:
+                        _shut(sock)
+                return
+            self.cancel.wait(min(0.2, max(0.0, self.deadline - time.monotonic())))
+
+    def check(self) -> None:
+        """Raise the right PacsError once the transfer was cancelled or its deadline has passed."""
+        if self.cancel.is_set():
+            raise PacsError(f"The PACS {self.what} was stopped.")
+        if self._cut or time.monotonic() >= self.deadline:
+            raise PacsError(f"The PACS did not finish the {self.what} within {self.budget_s:.0f} s; it may be "
+                            "busy. Try again later, or ask its administrator.")
+
+    def _left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    # --- requests ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def get(self, path: str, params: list | None, accept: str):
+        """A GET to the archive (a redirect followed only within its origin), its body not yet read."""
+        import requests
+
+        url = self.pacs.url + path
+        for _ in range(_MAX_REDIRECTS + 1):
+            self.check()  # no request starts once the transfer is cancelled or out of time
+            timeout = (max(0.01, min(self.pacs.limits.connect_s, self._left())), max(0.01, self._left()))
+            try:
+                with _quiet_logs():
+                    response = self.session.get(url, params=params, headers={"Accept": accept}, stream=True,
+                                                allow_redirects=False, timeout=timeout)
+            except requests.RequestException:
+                self.check()
+                raise PacsError("The PACS could not be reached or did not answer as a DICOMweb server does.") \
+                    from None
+            if not response.is_redirect:
+                break
+            target = urljoin(url, response.headers.get("location", ""))
+            response.close()
+            if _origin(target) != self._origin:
+                raise PacsError("The PACS redirected the request to another server; it was not followed.")
+            url, params = target, None
+        else:
+            raise PacsError("The PACS redirected the request too many times.")
         try:
-            with _quiet_libraries():
-                return function(*args, **kwargs)
+            if response.status_code >= 400:
+                raise PacsError(_status_message(response.status_code))
+            yield response
+        finally:
+            response.close()
+
+    def _chunks(self, response) -> Iterator[bytes]:
+        """The body as it arrives; a cut or broken connection becomes the right PacsError."""
+        try:
+            with _quiet_logs():
+                for chunk in response.iter_content(_CHUNK):
+                    self.check()
+                    yield chunk
         except PacsError:
             raise
-        except Exception as error:  # noqa: BLE001 - requests, dicomweb-client and pydicom raise many kinds
-            status = getattr(getattr(error, "response", None), "status_code", None)
-            failure = ("The PACS refused the credentials (set MEDVQA_PACS_USERNAME and MEDVQA_PACS_PASSWORD, "
-                       "or MEDVQA_PACS_TOKEN)." if status in (401, 403) else
-                       "No study with that identifier was found in the PACS." if status == 404 else
-                       "The PACS could not be reached or did not answer as a DICOMweb server does.")
-        raise PacsError(failure)
+        except Exception:  # noqa: BLE001 - requests/urllib3 raise many kinds for a cut or broken body
+            self.check()
+            raise PacsError("The PACS connection broke off during the transfer.") from None
+        self.check()
+
+    def json_entries(self, path: str, params: list) -> _Answer:
+        """The objects of a QIDO-RS answer (a JSON array), decoded as they arrive: at most
+        `max_answer_entries` of them from at most `max_answer_bytes`; `capped` when some were left."""
+        limits = self.pacs.limits
+        entries, bad = _Answer(), "The PACS answer was not a DICOMweb search result."
+        with self.get(path, params, "application/dicom+json, application/json") as response:
+            decoder, buffer, position, expecting, read = json.JSONDecoder(), "", 0, "[", 0
+            for piece in _utf8_chunks(self._chunks(response)):
+                read += len(piece)
+                buffer, position = buffer[position:] + piece, 0
+                while True:
+                    while position < len(buffer) and buffer[position].isspace():
+                        position += 1
+                    if position >= len(buffer):
+                        break
+                    character = buffer[position]
+                    if expecting == "[":
+                        if character != "[":
+                            raise PacsError(bad)
+                        position, expecting = position + 1, "first"
+                    elif character == "]" and expecting in ("first", ","):
+                        return entries
+                    elif expecting == ",":
+                        if character != ",":
+                            raise PacsError(bad)
+                        position, expecting = position + 1, "entry"
+                    else:
+                        try:
+                            entry, position = decoder.raw_decode(buffer, position)
+                        except json.JSONDecodeError:
+                            break  # the entry has not all arrived yet
+                        if not isinstance(entry, dict):
+                            raise PacsError(bad)
+                        entries.append(entry)
+                        expecting = ","
+                        if len(entries) >= limits.max_answer_entries:
+                            entries.capped = True
+                            return entries
+                if read > limits.max_answer_bytes:
+                    if not entries:
+                        raise PacsError("The PACS answer was too large to read.")
+                    entries.capped = True
+                    return entries
+            if expecting == "[":
+                return entries  # an empty body (some archives answer "nothing found" so)
+            raise PacsError("The PACS answer was cut short.")
+
+    def dicom_parts(self, path: str, limits: ScanLimits) -> Iterator[bytes]:
+        """The DICOM files of a WADO-RS answer (multipart/related; type="application/dicom"), each as
+        it completes; an instance, or the series, past the limits is refused while it arrives."""
+        with self.get(path, None, 'multipart/related; type="application/dicom"') as response:
+            content_type = response.headers.get("content-type", "")
+            boundary = _boundary(content_type)
+            chunks = self._chunks(response)
+            if boundary is not None:
+                yield from _multipart(chunks, boundary, limits)
+            elif content_type.lower().startswith("application/dicom"):
+                yield _read_whole(chunks, limits.max_bytes)  # one instance, not wrapped (some servers do)
+            else:
+                raise PacsError("The PACS did not answer as a DICOMweb server does.")
+
+
+def _instance_too_large(limits: ScanLimits) -> PacsError:
+    return PacsError(f"An instance of this series is larger than the {limits.max_bytes / 2**20:,.1f} MB upload "
+                     "limit; it was not downloaded further.")
+
+
+def _multipart(chunks: Iterator[bytes], boundary: bytes, limits: ScanLimits) -> Iterator[bytes]:
+    """The bodies of a multipart message's parts as each completes: each under limits.max_bytes, all
+    together under limits.max_total_bytes, at most limits.max_files of them."""
+    delimiter = b"\r\n--" + boundary
+    buffer = bytearray(b"\r\n")  # so that a delimiter at the very start of the body is found too
+    total, count, state, search_from = 0, 0, "preamble", 0
+    for chunk in chunks:
+        total += len(chunk)
+        if total > limits.max_total_bytes:
+            raise PacsError(f"This series is larger than the {limits.max_total_bytes / 2**20:,.0f} MB allowed for "
+                            "one study; it was not downloaded further.")
+        buffer += chunk
+        while True:
+            if state in ("preamble", "body"):
+                found = buffer.find(delimiter, search_from)
+                if found < 0:
+                    search_from = max(0, len(buffer) - len(delimiter))
+                    if state == "body" and search_from > limits.max_bytes:
+                        raise _instance_too_large(limits)
+                    if state == "preamble" and len(buffer) > _MAX_PART_HEADER:
+                        raise PacsError("The PACS did not answer as a DICOMweb server does.")
+                    break
+                if state == "body":
+                    if found > limits.max_bytes:
+                        raise _instance_too_large(limits)
+                    count += 1
+                    if count > limits.max_files:
+                        raise PacsError(f"This series has more than {limits.max_files:,} instances; at most that "
+                                        "many are opened at once.")
+                    yield bytes(buffer[:found])
+                del buffer[:found + len(delimiter)]
+                state, search_from = "delimiter", 0
+            if state == "delimiter":  # "--" closes the message; else the next part's headers follow
+                if len(buffer) < 2:
+                    break
+                if buffer[:2] == b"--":
+                    return
+                state = "headers"
+            if state == "headers":
+                end = buffer.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buffer) > _MAX_PART_HEADER:
+                        raise PacsError("The PACS did not answer as a DICOMweb server does.")
+                    break
+                del buffer[:end + 4]
+                state = "body"
+    if state in ("headers", "body"):
+        raise PacsError("The PACS answer was cut short.")
+
+
+def _read_whole(chunks: Iterator[bytes], max_bytes: int) -> bytes:
+    data = bytearray()
+    for chunk in chunks:
+        data += chunk
+        if len(data) > max_bytes:
+            raise PacsError(f"This instance is larger than the {max_bytes / 2**20:,.1f} MB upload limit; it was "
+                            "not downloaded further.")
+    return bytes(data)
+
+
+class _TrackingAdapter:
+    """requests' HTTPAdapter whose connections report their socket when they connect (urllib3's
+    `ConnectionCls`, a documented hook), so the watchdog can shut it. Built on first use."""
+
+    def __new__(cls, opened: Callable[[socket.socket], None]):
+        from requests.adapters import HTTPAdapter
+        from urllib3.connection import HTTPConnection, HTTPSConnection
+        from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+        class Tracked(HTTPConnection):
+            def connect(self):
+                super().connect()
+                opened(self.sock)
+
+        class TrackedTls(HTTPSConnection):
+            def connect(self):
+                super().connect()
+                opened(self.sock)
+
+        class Pool(HTTPConnectionPool):
+            ConnectionCls = Tracked
+
+        class TlsPool(HTTPSConnectionPool):
+            ConnectionCls = TrackedTls
+
+        class Adapter(HTTPAdapter):
+            def init_poolmanager(self, *args, **kwargs):
+                super().init_poolmanager(*args, **kwargs)
+                self.poolmanager.pool_classes_by_scheme = {"http": Pool, "https": TlsPool}
+
+        return Adapter(max_retries=0)
+
+
+def _boundary(content_type: str) -> bytes | None:
+    media_type, *parameters = [part.strip() for part in content_type.split(";")]
+    if media_type.lower() != "multipart/related":
+        return None
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "boundary" and value.strip().strip('"'):
+            return value.strip().strip('"').encode("latin-1", "replace")
+    return None
+
+
+def _utf8_chunks(chunks: Iterator[bytes]) -> Iterator[str]:
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for chunk in chunks:
+        yield decoder.decode(chunk)
+    yield decoder.decode(b"", final=True)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        port = -1
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed: nothing to cut
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _status_message(status: int) -> str:
+    return ("The PACS refused the credentials (set MEDVQA_PACS_USERNAME and MEDVQA_PACS_PASSWORD, "
+            "or MEDVQA_PACS_TOKEN)." if status in (401, 403) else
+            "No study with that identifier was found in the PACS." if status == 404 else
+            "The PACS is busy and did not take the request; try again later." if status in (429, 503) else
+            "The PACS could not be reached or did not answer as a DICOMweb server does.")
 
 
 def _value(item: dict, tag: str):
     """The first value of `tag` in a DICOM JSON object, or None."""
-    values = (item.get(tag) or {}).get("Value") or []
-    return values[0] if values else None
-
-
-def _part10(dataset) -> bytes:
-    """A fetched instance as the bytes of a DICOM file, for medvqa.imaging to open like an upload."""
-    buffer = io.BytesIO()
-    dataset.save_as(buffer, enforce_file_format=True)
-    return buffer.getvalue()
+    element = item.get(tag) if isinstance(item, dict) else None
+    values = element.get("Value") if isinstance(element, dict) else None
+    return values[0] if isinstance(values, list) and values else None

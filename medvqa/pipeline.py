@@ -205,7 +205,8 @@ class Pipeline:
         """Drop the conversation's cached prefix and its scan's projected image tokens and cached
         keys/values. `keep_image` keeps the last two (a caller asking one question at a time about the
         same image, as the evaluation does)."""
-        if keep_image or conversation.image is None:
+        if keep_image or (conversation.image is None and "_digest" not in conversation.__dict__):
+            # (an image dropped by the app's memory budget keeps its digest: its caches go too)
             self.engine.forget(conversation.id)
             return
         digest = conversation.digest

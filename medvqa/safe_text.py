@@ -54,8 +54,7 @@ def inert(text: object) -> str:
 
     Controls and invisible characters are dropped and whitespace (newlines included) collapses to
     single spaces, so the result can neither end an HTML block nor start a Markdown block."""
-    text = _INVISIBLE.sub("", "" if text is None else str(text))
-    text = _WHITESPACE.sub(" ", text).strip()
+    text = _WHITESPACE.sub(" ", visible(text)).strip()
     text = _AMPERSAND.sub("&#38;", text)
     text = text.translate(_TABLE)
     text = _EDGE_UNDERSCORE.sub(_reference("_"), text)
@@ -66,6 +65,13 @@ def inert(text: object) -> str:
     if match:  # a list item, heading or setext underline: its last character becomes a reference
         text = text[:match.end() - 1] + _reference(text[match.end() - 1]) + text[match.end():]
     return text
+
+
+def visible(text: object) -> str:
+    """`text` without controls, zero-width and bidirectional-override characters (U+202E and the rest
+    of them can make a question or an answer read backwards or hide a part of it); newlines and tabs
+    stay. Applied to every question and answer the app shows, exports or prints."""
+    return _INVISIBLE.sub("", "" if text is None else str(text))
 
 
 def safe_url(url: object) -> str:

@@ -3,14 +3,20 @@ real use, watching the app's memory, file descriptors and upload folder.
 
     python scripts/soak_app.py --minutes 10 --clients 8                  # starts app.py (offline profile)
     python scripts/soak_app.py --minutes 1 --clients 2 --profile tiny
+    python scripts/soak_app.py --minutes 4 --clients 4 --archive-delay-s 40   # issue 34's mix
 
 Each client runs one session after another until the time is up. A session is a new gradio_client
 (a new tab) that uploads a scan (a PNG of its own size or one of pydicom's DICOM files) and asks one
 to three questions, sometimes exporting the conversation, sometimes closing the tab in the middle of
 an answer. Mixed in: an oversize file, a cut-off DICOM, a file that is not an image, and a file
-posted to Gradio's upload route with no /upload event after it (a stray upload). The refusals the
+posted to Gradio's upload route with no /upload event after it (a stray upload), a 5,900 × 5,900 PNG
+of a few tens of KB (a huge image), and a *Find* in the PACS panel against a fake archive
+(scripts/fake_archive.py, started here) that answers after --archive-delay-s. The refusals the
 app is meant to give (413 for oversize, "The scan could not be opened" for the damaged ones) count as
-refusals; anything else that goes wrong counts as an error.
+refusals, as do a Find that ends with the deadline's message and a huge image refused by the memory
+budget; anything else that goes wrong counts as an error. The upload times of the normal sessions
+(PNG and DICOM) are kept: their p95 shows whether the slow archive and the huge images cost anyone
+else time.
 
 The app is started here (scripts/bench_app.py's start_app) with its own upload folder
 (GRADIO_TEMP_DIR) and --max-upload-mb 2. Every second the app's RSS, its open file descriptors and the
@@ -18,7 +24,7 @@ files in the upload folder are sampled. The first --warmup-minutes are warm-up; 
 at the end (load stopped, sessions closed) minus the RSS when the warm-up ended. At the end the
 script waits up to --settle-s for the upload sweeper, then counts the files left. Last line:
 
-    errors=E rss_growth_mb=G files_left=F
+    errors=E rss_growth_mb=G files_left=F upload_p95_s=P
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_app import QUESTIONS, answer_text, plain, session_image, start_app, text_of
+from bench_app import QUESTIONS, answer_text, percentile, plain, session_image, start_app, text_of
+from bench_pacs import huge_png, plain_status
+from fake_archive import Behaviour, FakeArchive
 
 MAX_UPLOAD_MB = 2
-KINDS = ("png", "dicom", "oversize", "corrupt", "not_an_image", "stray")
-WEIGHTS = (40, 25, 8, 9, 8, 10)
+KINDS = ("png", "dicom", "oversize", "corrupt", "not_an_image", "stray", "huge", "pacs_slow")
+WEIGHTS = (40, 25, 8, 9, 8, 10, 5, 5)
 OPEN_REFUSAL = "The scan could not be opened"
 
 
@@ -51,6 +59,7 @@ class Tally:
     answers: int = 0
     closed_tabs: int = 0
     exports: int = 0
+    upload_s: list[float] = field(default_factory=list)  # the normal sessions' uploads
     refusals: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-timeout", type=float, default=300)
     parser.add_argument("--startup-timeout", type=float, default=1800)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--archive-delay-s", type=float, default=40.0, help="the fake archive's answer delay")
     args = parser.parse_args(argv)
     if not (1 <= args.clients <= 64 and args.minutes > 0):
         parser.error("--clients must be 1-64 and --minutes positive")
@@ -92,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = Path(work)
         upload_dir = work_dir / "uploads"
         upload_dir.mkdir()
-        env = {**os.environ, "GRADIO_TEMP_DIR": str(upload_dir)}
-        server, url = start_app(args.profile, args.startup_timeout, ["--max-upload-mb", str(MAX_UPLOAD_MB)], env)
+        env = {**os.environ, "GRADIO_TEMP_DIR": str(upload_dir), "MEDVQA_PACS_USERNAME": "",
+               "MEDVQA_PACS_PASSWORD": "", "MEDVQA_PACS_TOKEN": ""}
+        archive = FakeArchive(Behaviour(delay_s=args.archive_delay_s)).__enter__()
+        server, url = start_app(args.profile, args.startup_timeout,
+                                ["--max-upload-mb", str(MAX_UPLOAD_MB), "--pacs-url", archive.url], env)
         try:
             return soak(server, url, upload_dir, work_dir, args, warmup_s)
         finally:
+            archive.__exit__(None, None, None)
             server.terminate()
             try:
                 server.wait(timeout=30)
@@ -151,8 +165,10 @@ def fixture_files(folder: Path) -> dict[str, list[Path]]:
     corrupt.write_bytes(source[:max(200, len(source) // 3)])
     not_an_image = folder / "notes.png"
     not_an_image.write_bytes(b"These are not pixels, whatever the name says.\n" * 20)
+    huge = folder / "huge.png"
+    huge_png(huge)
     return {"png": [session_image(i, folder) for i in range(6)], "dicom": dicoms or [session_image(7, folder)],
-            "oversize": [oversize], "corrupt": [corrupt], "not_an_image": [not_an_image]}
+            "oversize": [oversize], "corrupt": [corrupt], "not_an_image": [not_an_image], "huge": [huge]}
 
 
 def client_loop(url: str, index: int, deadline: float, files: dict, tally: Tally, answer_timeout: float,
@@ -188,9 +204,24 @@ def run_session(url: str, kind: str, rng: random.Random, files: dict, tally: Tal
         return
     client = Client(url, verbose=False)
     try:
+        if kind == "pacs_slow":
+            status = client.predict("ACC-SOAK", api_name="/pacs_find")[2]
+            status = plain_status(status)
+            if "did not finish the search" in status or "Found 1 series" in status:
+                tally.refused("slow archive (message)")
+            else:
+                tally.error(f"slow archive: {status[:200]!r}")
+            return
         path = rng.choice(files[kind])
+        began = time.monotonic()
         *_, meta, chat = client.predict(handle_file(str(path)), api_name="/upload")
+        if kind in ("png", "dicom"):
+            with tally.lock:
+                tally.upload_s.append(time.monotonic() - began)
         reply = text_of(chat[-1]) if chat else ""
+        if kind == "huge" and "the server keeps for decoded scans" in reply:
+            tally.refused("huge image (budget message)")
+            return
         if kind in ("corrupt", "not_an_image"):
             if OPEN_REFUSAL in reply:
                 tally.refused(f"{kind} (message)")
@@ -312,7 +343,10 @@ def report(samples: list[Sample], tally: Tally, started: float, warmup_s: float,
           f"peak {max((s.fds for s in samples), default=-1)}, at the end {samples[-1].fds if samples else -1}")
     print(f"upload folder: most files at once {max((s.upload_files for s in samples), default=0)}, "
           f"left at the end {files_left}")
-    print(f"errors={len(tally.errors)} rss_growth_mb={growth:.0f} files_left={files_left}")
+    upload_p95 = percentile(tally.upload_s, 95)
+    print(f"normal sessions' uploads: {len(tally.upload_s)}, median {percentile(tally.upload_s, 50):.2f} s, "
+          f"p95 {upload_p95:.2f} s")
+    print(f"errors={len(tally.errors)} rss_growth_mb={growth:.0f} files_left={files_left} upload_p95_s={upload_p95:.2f}")
     return 0 if not tally.errors and files_left == 0 else 1
 
 

@@ -8,6 +8,7 @@ Screenshots of each state go to artifacts/browser/ (or $MEDVQA_ARTIFACTS_DIR).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -258,3 +259,75 @@ def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, uploa
     finally:
         context.close()
         demo.close()
+
+
+def test_two_questions_asked_100_ms_apart_both_get_answers(page):
+    """A question asked while the previous answer is still coming (or still warming the next turn) is
+    queued and answered, never dropped; the box is free for it at once and keeps what is typed."""
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    box = page.locator("#medvqa-question textarea")
+    questions = ["Is there a pleural effusion?", "Is the heart enlarged?", "Is this a CT scan?"]
+
+    def ask(text: str) -> None:
+        box.fill(text)
+        page.click("#medvqa-ask")
+
+    def answered(count: int) -> None:
+        page.wait_for_function(
+            "n => document.querySelectorAll(\"#medvqa-chat [data-testid='bot'] .medvqa-sources\").length >= n",
+            arg=count, timeout=240_000)
+
+    ask(questions[0])
+    page.wait_for_timeout(100)
+    ask(questions[1])
+    answered(2)
+    # The moment an answer is complete (the previous turn is still warming the next one), ask again.
+    ask(questions[2])
+    answered(3)
+    users = page.locator("#medvqa-chat [data-testid='user']")
+    assert [users.nth(i).inner_text().strip() for i in range(users.count())] == questions
+    bots = page.locator("#medvqa-chat [data-testid='bot']")
+    assert bots.count() == 3 and "medvqa-error" not in page.inner_html("#medvqa-chat")
+    assert box.input_value() == ""
+    screenshot(page, "07-two-questions-queued.png")
+
+
+def test_closing_the_tab_stops_its_pacs_find(browser, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
+    """A Find waits on an archive that holds its first answer; the tab is closed. The Find ends (the
+    page's unload event cancelled it, not its deadline) and, once the archive answers, no further
+    query is made."""
+    from medvqa.pacs import Pacs, PacsLimits
+    from medvqa.ui import build_app, launch
+
+    fake = load_script("fake_archive")
+    hold = threading.Event()
+    with fake.FakeArchive(fake.Behaviour(study_copies=10, distinct_studies=10, hold=hold)) as archive:
+        demo = build_app(ui_pipeline, ui_settings, max_upload_mb=MAX_UPLOAD_MB, 
+                         pacs=Pacs(archive.url, env={}, limits=PacsLimits(find_s=600)))
+        _, url, _ = launch(demo, port=None, max_upload_mb=MAX_UPLOAD_MB, block=False, quiet=True)
+        remote = next(fn.fn.__self__ for fn in demo.fns.values() if getattr(fn.fn, "__name__", "") == "find")
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        try:
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.locator("#medvqa-pacs-id input").fill("ACC-1")
+            page.click("#medvqa-pacs-find")
+            wait_until(lambda: len(archive.requests) == 1 and remote._running, "the Find did not reach the archive")
+            context.close()  # the tab goes while its first query waits
+            wait_until(lambda: not remote._running, "the Find went on after its tab was closed")
+            hold.set()
+            time.sleep(1)  # time for a query that should not come
+            assert len(archive.requests) == 1
+        finally:
+            hold.set()
+            context.close()
+            demo.close()
+
+
+def wait_until(condition, failure: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(failure)
+        time.sleep(0.05)

@@ -78,3 +78,18 @@ def test_voi_lut_sequence_is_applied_before_window_center_width():
     expected = np.rint((4095 - stored.astype(np.int64)) * 255 / 4095).astype(np.uint8)
     np.testing.assert_array_equal(scan.pixels[..., 0], expected)
     assert b"ZQSECRET" not in pickle.dumps(source)
+
+
+@pytest.mark.parametrize("shape", [(40, 50), (40, 50, 3)])
+def test_8_bit_pixels_index_the_window_table_themselves(shape):
+    """8-bit pixels (a PNG or JPEG, grey or colour) are their own level indexes, no uint16 copy, and
+    windowing them through the table gives what windowing each pixel gives."""
+    from medvqa.imaging.windowing import _Frame, _to_rgb8, _window_to_uint8
+
+    values = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    frame = _Frame(values=values, is_color=len(shape) == 3)
+    assert frame.levels is values
+    for window in (Window(100, 80, "user"), WINDOW_PRESETS["lung"], Window(127.5, 255, "none", "LINEAR_EXACT")):
+        per_pixel = _window_to_uint8(values.astype(np.int64), window, frame)
+        expected = per_pixel if frame.is_color else np.repeat(per_pixel[..., None], 3, axis=2)
+        np.testing.assert_array_equal(_to_rgb8(frame, window), expected)

@@ -74,7 +74,7 @@ def _open_dicom_placed(raw: bytes, limits: ScanLimits) -> tuple[ScanSource, _Pla
     placement = _placement(ds)
     del ds  # the parsed upload, identifying tags and all, is dropped here
     source = ScanSource(source_format="dicom", frame_count=header.frames, safe_meta=safe_meta,
-                        load_frame=frames.load, forget=frames.forget)
+                        load_frame=frames.load, forget=frames.forget, held=frames.held)
     return source, placement
 
 

@@ -19,7 +19,7 @@ from pydicom.uid import UID
 
 from .codestream import _J2K_SYNTAXES, _JPEG_SYNTAXES, _j2k_frame_size, _jpeg_frame_size
 from .guard import _INTERRUPTS, ScanError, _guarded
-from .windowing import _AS_STORED, _file_window, _first_number, _Frame
+from .windowing import _AS_STORED, _file_window, _first_number, _Frame, _LastFrame
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +48,13 @@ class _PixelHeader:
     transfer_syntax: UID
 
 
-class _DicomFrames:
+class _DicomFrames(_LastFrame):
     """Decodes one frame at a time on demand, keeping the last one for re-windowing."""
 
     def __init__(self, pixel_ds: Dataset, header: _PixelHeader, per_frame: list[dict[str, Any]] | None):
         self.pixel_ds = pixel_ds
         self.header = header
         self.per_frame = per_frame
-        self._cached: tuple[int, _Frame] | None = None
-
-    def load(self, index: int) -> _Frame:
-        cached = self._cached
-        if cached is not None and cached[0] == index:
-            return cached[1]
-        decoded = self._decode(index)
-        self._cached = (index, decoded)
-        return decoded
-
-    def forget(self) -> None:
-        self._cached = None
 
     def _decode(self, index: int) -> _Frame:
         ds = self._frame_dataset(index)

@@ -4,6 +4,8 @@ Library messages can quote tag values, so none of them reaches a user or a log: 
 library on upload data go through `_guarded`, each public entry point through `_run_public`, and
 neither chains the library's exception. While an upload is handled, library loggers and warnings
 are silenced (`_quiet_libraries`), and uploads are handled one at a time (`_ONE_AT_A_TIME`).
+Network transfers (medvqa/pacs.py) drop the HTTP libraries' log records with `_quiet_logs`, which
+takes no lock: a slow archive never holds up anyone's decoding.
 """
 
 from __future__ import annotations
@@ -36,9 +38,8 @@ _DECODING = contextvars.ContextVar("medvqa_imaging_decoding", default=False)
 # it out of order would leave one's filters behind for good. Uploads are therefore handled one
 # at a time per process; a frame decodes in milliseconds, so users hardly wait on each other.
 _ONE_AT_A_TIME = threading.RLock()
-# And the DICOMweb client's: its request logs hold the URL, and so a study's identifier (medvqa/pacs.py).
-_LIBRARY_LOGGERS = ("pydicom", "PIL", "pylibjpeg", "libjpeg", "openjpeg", "rle", "gdcm", "dicomweb_client",
-                    "urllib3", "requests")
+# And the HTTP libraries': their request logs hold the URL, and so a study's identifier (medvqa/pacs.py).
+_LIBRARY_LOGGERS = ("pydicom", "PIL", "pylibjpeg", "libjpeg", "openjpeg", "rle", "gdcm", "urllib3", "requests")
 
 
 class _SilenceWhileDecoding(logging.Filter):
@@ -50,10 +51,10 @@ _SILENCER = _SilenceWhileDecoding()
 
 
 @contextlib.contextmanager
-def _quiet_libraries():
-    """Drop library log records and warnings while an upload is handled. pydicom logs element
-    values in debug mode and its warnings quote invalid values; Pillow's TIFF plugin logs tags.
-    A logger filter only sees records logged on that very logger, hence one per library logger."""
+def _quiet_logs():
+    """Drop the libraries' log records in this thread (a context variable: other threads log as
+    usual) while the block runs. A logger filter only sees records logged on that very logger,
+    hence one per library logger."""
     for name in list(logging.Logger.manager.loggerDict):
         if name.split(".")[0] in _LIBRARY_LOGGERS:
             logger = logging.getLogger(name)
@@ -61,12 +62,20 @@ def _quiet_libraries():
                 logger.addFilter(_SILENCER)
     token = _DECODING.set(True)
     try:
-        with _ONE_AT_A_TIME, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            yield
+        yield
     finally:
         _DECODING.reset(token)
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Drop library log records and warnings while an upload is handled, one upload at a time.
+    pydicom logs element values in debug mode and its warnings quote invalid values; Pillow's TIFF
+    plugin logs tags."""
+    with _quiet_logs(), _ONE_AT_A_TIME, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
 
 
 _INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)

@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 
 from .guard import ScanError, _guarded
 from .scan import ScanLimits, ScanSource, _too_large_message
-from .windowing import _AS_STORED, _Frame
+from .windowing import _AS_STORED, _Frame, _LastFrame
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
     count = _guarded(damaged, lambda: getattr(image, "n_frames", 1)) if kind == "tiff" else 1
     if count > limits.max_frames:
         raise ScanError(_too_large_message(*image.size[::-1], count, limits))
-    frames, total_pixels, first_mode = [], 0, image.mode
+    total_pixels, first_mode, shape = 0, image.mode, None
     for index in range(count):
         _guarded(damaged, image.seek, index)
         columns, rows = image.size
@@ -43,13 +43,31 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
         if (rows * columns > limits.max_frame_pixels or total_pixels > limits.max_pixels
                 or total_pixels * bytes_per_pixel > limits.max_decoded_bytes):
             raise ScanError(_too_large_message(rows, columns, count, limits))
-        frames.append(_guarded(damaged, _picture_frame, image, kind))
+        # Each frame is decoded once now, so that a damaged one is refused at once, and dropped: the
+        # source keeps the file's bytes and decodes the frame shown again when it is needed.
+        frame = _guarded(damaged, _picture_frame, image, kind)
+        shape = shape or frame.values.shape
+        del frame
     log.debug("decoded %s with %d frame(s)", kind, count)
-    rows, columns = frames[0].values.shape[:2]
+    frames = _PictureFrames(raw, kind, damaged)
+    rows, columns = shape[:2]
     safe_meta = {"Format": _PILLOW_FORMAT[kind], "Rows": str(rows), "Columns": str(columns),
                  "PixelFormat": first_mode}  # Pillow's mode, e.g. "L", "I;16", "RGB"
     return ScanSource(source_format=kind, frame_count=count, safe_meta=safe_meta,
-                      load_frame=frames.__getitem__)
+                      load_frame=frames.load, forget=frames.forget, held=frames.held)
+
+
+class _PictureFrames(_LastFrame):
+    """A picture's frames decoded on demand from the file's bytes (kept: a PNG or JPEG is far smaller
+    than its pixels)."""
+
+    def __init__(self, raw: bytes, kind: str, damaged: str):
+        self.raw, self.kind, self.damaged = raw, kind, damaged
+
+    def _decode(self, index: int) -> _Frame:
+        image = _guarded(self.damaged, Image.open, io.BytesIO(self.raw), formats=[_PILLOW_FORMAT[self.kind]])
+        _guarded(self.damaged, image.seek, index)
+        return _guarded(self.damaged, _picture_frame, image, self.kind)
 
 
 def _picture_frame(image: Image.Image, kind: str) -> _Frame:

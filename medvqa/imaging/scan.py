@@ -46,7 +46,8 @@ class ScanLimits:
 
 @dataclass
 class Scan:
-    pixels: np.ndarray  # (H, W, 3) uint8, what the model sees and the viewer shows
+    pixels: np.ndarray | None  # (H, W, 3) uint8, what the model sees and the viewer shows (None: dropped
+    # by the app's memory budget for decoded scans, rendered again when needed: medvqa/ui/budget.py)
     window: Window | None  # window applied (None for colour images shown as stored)
     frame_index: int
     frame_count: int
@@ -61,7 +62,8 @@ class Scan:
         return self.window.describe()
 
     def __repr__(self) -> str:
-        return (f"Scan({self.source_format}, pixels={self.pixels.shape}, window={self.window}, "
+        shape = None if self.pixels is None else self.pixels.shape
+        return (f"Scan({self.source_format}, pixels={shape}, window={self.window}, "
                 f"frame={self.frame_index}/{self.frame_count}, safe_meta={self.safe_meta})")
 
 
@@ -70,7 +72,8 @@ class ScanSource:
     needed (new window, other frame) without reading the file again."""
 
     def __init__(self, *, source_format: str, frame_count: int, safe_meta: dict[str, str],
-                 load_frame: Callable[[int], _Frame], forget: Callable[[], None] | None = None):
+                 load_frame: Callable[[int], _Frame], forget: Callable[[], None] | None = None,
+                 held: Callable[[], int] | None = None):
         self.source_format = source_format
         self.is_dicom = source_format == "dicom"
         self.frame_count = frame_count
@@ -78,6 +81,7 @@ class ScanSource:
         self.safe_meta = safe_meta
         self._load_frame = load_frame
         self._forget = forget
+        self._held = held
         # Decode the default frame now, so that a damaged upload is refused when it is opened.
         self.default_window = _default_window(self._load_frame(self.default_frame))
 
@@ -85,6 +89,11 @@ class ScanSource:
         """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""
         if self._forget is not None:
             self._forget()
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of decoded pixels this source keeps (the frame kept for re-windowing)."""
+        return self._held() if self._held is not None else 0
 
     def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
         """`window`: a Window, a WINDOW_PRESETS key, "file" (the file's own), "auto" (0.5-99.5

@@ -79,6 +79,16 @@ class Series:
         return dataclasses.replace(scan, frame_index=index, frame_count=self.frame_count, series=self.number,
                                    position_mm=self.positions_mm[index], safe_meta=dict(self.safe_meta))
 
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of decoded pixels kept (the slice on screen's)."""
+        return self._shown.decoded_bytes if self._shown is not None else 0
+
+    def forget_decoded(self) -> None:
+        """Drop the decoded slice kept for re-windowing; it is decoded again when next shown."""
+        if self._shown is not None:
+            self._shown.forget_decoded()
+
     def _check_slice(self, frame: int) -> int:
         try:
             return _check_frame(frame, self.frame_count)

@@ -70,8 +70,9 @@ class _Frame:
     file_window: Window | None = None  # the file's own VOI for this frame, if any
     voi_lut: Dataset | None = None  # holds the VOI LUT Sequence when file_window is "file-lut"
     # Integer data spanning under 65536 levels (nearly all images) is also kept as level indexes,
-    # so that a window is computed once per level rather than once per pixel (see _to_rgb8).
-    levels: np.ndarray | None = field(init=False, default=None)  # values - lowest, uint16
+    # so that a window is computed once per level rather than once per pixel (see _to_rgb8). 8-bit
+    # values are their own indexes (no copy: a uint16 one would hold twice the pixels' bytes).
+    levels: np.ndarray | None = field(init=False, default=None)  # values - lowest, uint16; or values, uint8
     lowest: int = field(init=False, default=0)
     level_count: int = field(init=False, default=0)
 
@@ -79,12 +80,45 @@ class _Frame:
         values = self.values
         if values.size == 0 or not np.issubdtype(values.dtype, np.number):
             return
+        if values.dtype == np.uint8:
+            self.levels, self.lowest, self.level_count = values, 0, 256
+            return
         if not np.issubdtype(values.dtype, np.integer) and not (values == np.rint(values)).all():
             return  # fractional (or NaN) values: windowed pixel by pixel
         lowest, highest = int(values.min()), int(values.max())
         if highest - lowest < 2**16:
             self.levels = (values - lowest).astype(np.uint16)
             self.lowest, self.level_count = lowest, highest - lowest + 1
+
+
+class _LastFrame:
+    """Frames decoded on demand by `_decode(index)`, the last one kept for re-windowing until
+    `forget` (the app's memory budget calls it, medvqa/ui/budget.py)."""
+
+    _cached: tuple[int, _Frame] | None = None
+
+    def _decode(self, index: int) -> _Frame:
+        raise NotImplementedError
+
+    def load(self, index: int) -> _Frame:
+        cached = self._cached
+        if cached is not None and cached[0] == index:
+            return cached[1]
+        decoded = self._decode(index)
+        self._cached = (index, decoded)
+        return decoded
+
+    def forget(self) -> None:
+        self._cached = None
+
+    def held(self) -> int:
+        """Bytes of decoded pixels kept."""
+        cached = self._cached
+        if cached is None:
+            return 0
+        frame = cached[1]
+        return frame.values.nbytes + (frame.levels.nbytes if frame.levels is not None and frame.levels is not frame.values
+                                      else 0)
 
 
 def _default_window(decoded: _Frame) -> Window | None:

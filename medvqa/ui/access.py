@@ -7,6 +7,10 @@ until someone notices. `AccessGuard` is ASGI middleware around the whole app, so
 nothing but the login page and its static assets answers a request without the login cookie: the
 rest gets 401. Gradio still does its own checks behind it.
 
+Logging in is throttled (`LoginThrottle`): per client address and per user name, after a few
+failures each further try must wait a delay that doubles with every failure, and a try made sooner
+is answered 429 with a message saying how long to wait (the password is not even checked).
+
 It also refuses Gradio's file routes for anything in the upload folder (an upload is never served
 back: the scan is shown as an inline image), and tells the `UploadFolder` when an upload request
 starts and ends, so that a refused one's temporary file is deleted right away.
@@ -15,14 +19,19 @@ starts and ends, so that a refused one's temporary file is deleted right away.
 from __future__ import annotations
 
 import json
-from typing import Any
-from urllib.parse import unquote
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+from urllib.parse import parse_qs, unquote
 
 from starlette.requests import HTTPConnection
 
 from .uploads import UploadFolder
 
 UPLOAD_ROUTE = "/gradio_api/upload"
+LOGIN_ROUTES = ("/login", "/gradio_api/login")
+_MAX_LOGIN_BODY = 64 * 1024
 _FILE_ROUTES = ("/gradio_api/file=", "/gradio_api/file/", "/file=", "/file/")
 # What the login page itself needs: the page (Gradio renders its login form there), the login and
 # logout routes, static assets, and the route the page asks whether it is logged in. And the route
@@ -37,10 +46,12 @@ class AccessGuard:
     """ASGI middleware: the login wall (when `login_required`), no file route into the upload folder,
     and upload requests reported to `uploads`. Passed to Gradio through launch(app_kwargs=...)."""
 
-    def __init__(self, app: Any, uploads: UploadFolder, login_required: bool):
+    def __init__(self, app: Any, uploads: UploadFolder, login_required: bool,
+                 throttle: LoginThrottle | None = None):
         self.app = app
         self.uploads = uploads
         self.login_required = login_required
+        self.throttle = throttle or LoginThrottle()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -56,7 +67,50 @@ class AccessGuard:
         if scope["type"] == "http" and scope.get("method") == "POST" and path.rstrip("/") == UPLOAD_ROUTE:
             await self._upload(scope, receive, send)
             return
+        if scope["type"] == "http" and scope.get("method") == "POST" and path.rstrip("/") in LOGIN_ROUTES:
+            await self._login(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    async def _login(self, scope: dict, receive: Any, send: Any) -> None:
+        """Gradio's login route behind the throttle: a try is let through only when neither its client
+        address nor its user name must wait; it counts as failed unless Gradio accepts it."""
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > _MAX_LOGIN_BODY:
+                await _refuse(scope, send, 413, "The login form is too large.")
+                return
+        user = (parse_qs(body.decode("utf-8", "replace")).get("username") or [""])[0].strip()
+        address = (scope.get("client") or ("", 0))[0] or ""
+        wait_s = self.throttle.attempt(address, user)
+        if wait_s > 0:
+            await _refuse(scope, send, 429, f"Too many failed logins from this address or for this user name: "
+                                            f"please wait {wait_s:.0f} s before trying again.",
+                          headers=[(b"retry-after", str(max(1, round(wait_s))).encode())])
+            return
+        status = 0
+
+        async def replay() -> dict:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+
+        async def watch(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                if status == 200:
+                    self.throttle.succeeded(address, user)
+            await send(message)
+
+        await self.app(scope, replay, watch)
 
     async def _upload(self, scope: dict, receive: Any, send: Any) -> None:
         """Run Gradio's upload route; a refusal (an error status, or a request that broke off) has its
@@ -104,11 +158,64 @@ def _logged_in(scope: dict) -> bool:
     return token is not None and token in tokens
 
 
-async def _refuse(scope: dict, send: Any, status: int, message: str) -> None:
+class LoginThrottle:
+    """Failed logins per client address and per user name. The first `free_failures` cost nothing;
+    after that each try must wait `first_delay_s` × 2^(failures − free_failures) seconds (at most
+    `max_delay_s`) after the last one. A try counts as failed from the moment it is let through (so
+    that a burst of tries sent at once is throttled too) until it succeeds, which clears both its
+    address and its user name. Entries are forgotten after `forget_s` without a try, and at most
+    `max_entries` are kept (the oldest go first)."""
+
+    def __init__(self, free_failures: int = 5, first_delay_s: float = 1.0, max_delay_s: float = 300.0,
+                 forget_s: float = 3600.0, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
+        self.free_failures, self.first_delay_s, self.max_delay_s = free_failures, first_delay_s, max_delay_s
+        self.forget_s, self.max_entries, self.clock = forget_s, max_entries, clock
+        self._failures: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()  # key → (count, last try)
+        self._lock = threading.Lock()
+
+    def attempt(self, address: str, user: str) -> float:
+        """Seconds this try must still wait (then it is refused and not counted), or 0: it is let
+        through and counted as failed until `succeeded`."""
+        now = self.clock()
+        keys = (("address", address), ("user", user.casefold()))
+        with self._lock:
+            self._forget_old(now)
+            wait_s = max(self._wait(key, now) for key in keys)
+            if wait_s > 0:
+                return wait_s
+            for key in keys:
+                count, _ = self._failures.pop(key, (0, now))
+                self._failures[key] = (count + 1, now)
+            while len(self._failures) > self.max_entries:
+                self._failures.popitem(last=False)
+        return 0.0
+
+    def succeeded(self, address: str, user: str) -> None:
+        with self._lock:
+            self._failures.pop(("address", address), None)
+            self._failures.pop(("user", user.casefold()), None)
+
+    def _wait(self, key: tuple[str, str], now: float) -> float:
+        count, last = self._failures.get(key, (0, now))
+        if count < self.free_failures:
+            return 0.0
+        delay = min(self.first_delay_s * 2 ** (count - self.free_failures), self.max_delay_s)
+        return max(0.0, last + delay - now)
+
+    def _forget_old(self, now: float) -> None:
+        while self._failures:
+            key, (_, last) = next(iter(self._failures.items()))
+            if now - last < self.forget_s:
+                break
+            del self._failures[key]
+
+
+async def _refuse(scope: dict, send: Any, status: int, message: str, headers: list | None = None) -> None:
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})
         return
     body = json.dumps({"detail": message}).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
     await send({"type": "http.response.body", "body": body})

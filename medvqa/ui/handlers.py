@@ -11,6 +11,7 @@ its warming, so concurrent answers interleave token by token.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterator
 
 import gradio as gr
@@ -20,6 +21,8 @@ from ..imaging import ScanError, ScanLimits, Window, open_scan, open_study
 from ..imaging.archive import is_zip
 from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
+from ..safe_text import visible
+from .budget import DecodedBudget
 from .render import _error_html, _error_message, _escape_model_text, _render_answer, _status
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
@@ -37,6 +40,7 @@ class _Handlers:
         self.pipeline = pipeline
         self.settings = settings
         self.limits = ScanLimits(max_bytes=int(max_upload_mb * 2**20))
+        self.budget = DecodedBudget(self.settings.serving.decoded_scans_mb * 2**20)
 
     # --- scan ------------------------------------------------------------------------------
 
@@ -52,6 +56,7 @@ class _Handlers:
                 study = open_study(data, self.limits)
                 source = study.series[0]
             scan = source.render()
+            return (None, *self.show(source, scan, study, session))
         except ScanError as error:
             self._count_error("scan")
             return (None, *self.viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
@@ -59,16 +64,19 @@ class _Handlers:
             log.exception("upload failed")
             self._count_error("scan")
             return (None, *self.viewer_unchanged(session, _error_message("The scan could not be opened.")))
-        return (None, *self.show(source, scan, study, session))
 
     def show(self, source, scan, study, session: _Session | None):
-        """A newly opened scan or study replaces the tab's session: a new conversation about it."""
+        """A newly opened scan or study replaces the tab's session: a new conversation about it.
+        Raises ScanError when the scan alone needs more memory than the budget for decoded scans."""
+        self.budget.check(scan.pixels.nbytes + source.decoded_bytes)
         if session is not None:
             with session.lock:
                 session.generation += 1
             session.close()
-        session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study)
-        return self._viewer_update(session, controls=True)
+        session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study,
+                           budget=self.budget)
+        with self.budget.using(session):
+            return self._viewer_update(session, controls=True)
 
     def study_controls(self, session: _Session | None):
         """The series picker and the notes on the series shown (after an upload or a change of series)."""
@@ -121,18 +129,19 @@ class _Handlers:
         """Render the session's scan anew; the model sees exactly what is shown from then on."""
         if session is None:
             return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
-        try:
-            index = session.source.default_frame if frame is None else int(round(float(frame))) - 1
-            scan = session.source.render(window=window, frame=index)
-        except ScanError as error:
-            return self.viewer_unchanged(session, _error_message(str(error)))
-        except Exception:  # noqa: BLE001
-            log.exception("render failed")
-            return self.viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
-        with session.lock:
-            old = session.look_at(scan)
-        self.pipeline.end_conversation(old)  # a warming that ran meanwhile ends it too (see warm)
-        return self._viewer_update(session, controls=True, slider_moved=slider_moved)
+        with self.budget.using(session):
+            try:
+                index = session.source.default_frame if frame is None else int(round(float(frame))) - 1
+                scan = session.source.render(window=window, frame=index)
+            except ScanError as error:
+                return self.viewer_unchanged(session, _error_message(str(error)))
+            except Exception:  # noqa: BLE001
+                log.exception("render failed")
+                return self.viewer_unchanged(session, _error_message("The scan could not be shown with that window."))
+            with session.lock:
+                old = session.look_at(scan)
+            self.pipeline.end_conversation(old)  # a warming that ran meanwhile ends it too (see warm)
+            return self._viewer_update(session, controls=True, slider_moved=slider_moved)
 
     def _viewer_update(self, session: _Session, controls: bool, slider_moved: bool = False):
         """The viewer and its controls for the session's scan. After a move of the slider its value is
@@ -182,7 +191,8 @@ class _Handlers:
                 return session.conversation is conversation and session.current is None
 
         try:
-            self.pipeline.warm_next_turn(conversation, draft or "", still_wanted=still_wanted)
+            with self.budget.using(session):
+                self.pipeline.warm_next_turn(conversation, draft or "", still_wanted=still_wanted)
             with session.lock:
                 ended = session.conversation is not conversation
             if ended:  # replaced while warming (the new scan, window or conversation has its own
@@ -193,35 +203,57 @@ class _Handlers:
     # --- chat ------------------------------------------------------------------------------
 
     def ask(self, question: str, session: _Session | None) -> Iterator[tuple[list[dict], str]]:
-        """Stream one answer: the question, then the answer token by token, then its sources."""
-        question = (question or "").strip()
+        """Stream one answer: the question, then the answer token by token, then its sources. A
+        question asked while the previous answer still streams is shown at once and queued: it is
+        answered when the ones before it are (in the order asked), never dropped. The question box is
+        left as the user has it (the page empties it as the question is sent), except that a refused
+        question is given back to it."""
+        question = visible(question or "").strip()  # no bidirectional override reaches the model or the page
         if session is None:
             yield [_error_message("Please upload a scan first, then ask about it.")], question
             return
-        refusal = None
         with session.lock:  # never held across a yield: a cancelled generator is not resumed
-            if session.current is not None:
-                refusal = "Please wait for the current answer, or press Stop."
-            elif not question:
-                refusal = "Please type a question about the image."
+            if not question:
+                session.messages.append(_error_message("Please type a question about the image."))
+                snapshot, answer = _copy(session.messages), None
             else:
-                answer = session.current = _Answer(question, session.scan)
+                answer = _Answer(question, session.scan)
                 generation = session.generation
+                session.waiting.append(answer)
                 session.messages.append({"role": "user", "content": _escape_model_text(question)})
-                reply = {"role": "assistant", "content": _status("Searching the literature…")}
+                reply = {"role": "assistant", "content": _status("Searching the literature…" if session.current is None
+                                                                 else "Waiting for the previous answer…")}
                 session.messages.append(reply)
-            if refusal:
-                session.messages.append(_error_message(refusal))
-            snapshot = _copy(session.messages)
-        if refusal:
+                snapshot = _copy(session.messages)
+        if answer is None:
             yield snapshot, question
             return
-        yield snapshot, ""
         try:
-            for update in self._stream(session, answer, generation, reply):
-                yield update, ""
+            yield snapshot, gr.skip()
+            turn = None
+            while turn is None:  # this question's turn: the previous answer done, the questions before it taken
+                with session.lock:
+                    if session.generation != generation:  # stopped, new conversation or new scan meanwhile
+                        reply["content"] = _status("Not asked: the conversation was stopped or started over.")
+                        turn = False
+                    elif session.current is None and session.waiting[0] is answer:
+                        session.waiting.pop(0)
+                        session.current, answer.scan = answer, session.scan
+                        reply["content"] = _status("Searching the literature…")
+                        turn = True
+                    snapshot = _copy(session.messages)
+                if turn is None:
+                    time.sleep(0.05)
+            yield snapshot, gr.skip()
+            if not turn:
+                return
+            with self.budget.using(session):  # the model may need the pixels again: never dropped meanwhile
+                for update in self._stream(session, answer, generation, reply):
+                    yield update, gr.skip()
         finally:
             with session.lock:
+                if answer in session.waiting:
+                    session.waiting.remove(answer)
                 if session.generation == generation and session.current is answer:
                     session.current = None
 

@@ -131,10 +131,11 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
             remote = _PacsHandlers(pacs, handlers)
             identifier, find, remote_series, load, status, found = pacs_panel
             gr.on([find.click, identifier.submit], remote.find, [identifier, found],
-                  [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=2,
-                  concurrency_id="pacs")
+                  [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=8,
+                  concurrency_id="pacs")  # network waits, not work: a slow archive must not queue other tabs
             load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
-                       concurrency_limit=2, concurrency_id="pacs").then(**study_controls).then(**warming)
+                       concurrency_limit=8, concurrency_id="pacs").then(**study_controls).then(**warming)
+            demo.unload(remote.tab_closed)  # the tab's Find or Load stops with it
         series_picker.input(handlers.set_series, [series_picker, session], viewer_outputs, api_name="set_series",
                             concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
         preset.input(handlers.set_preset, [preset, frame, session], viewer_outputs, api_name="set_preset",
@@ -146,9 +147,16 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         gr.on([frame.release, frame.input], handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
               concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
         question.input(**warming, trigger_mode="always_last")
-        answering = gr.on([ask_button.click, question.submit], handlers.ask, [question, session],
-                          [chatbot, question], api_name="ask", concurrency_limit=concurrency,
-                          concurrency_id="answer", show_progress="hidden")
+        # Asking takes the question out of the box at once (not queued), then answers it from a hidden
+        # copy: the box is free for the next question straight away, and nothing the answer sends back
+        # clears what is typed there meanwhile. Both steps take every click ("multiple"): a question
+        # asked while the previous answer finishes is queued by the handler, never dropped.
+        asked = gr.Textbox(visible=False, elem_id="medvqa-asked")
+        taking = gr.on([ask_button.click, question.submit], _take_question, [question], [question, asked],
+                       queue=False, api_visibility="private", show_progress="hidden", trigger_mode="multiple")
+        answering = taking.then(handlers.ask, [asked, session], [chatbot, question], api_name="ask",
+                                concurrency_limit=concurrency, concurrency_id="answer", show_progress="hidden",
+                                trigger_mode="multiple")
         stop_button.click(handlers.stop, [session], [chatbot], cancels=[answering], api_name="stop")
         new_button.click(handlers.new_conversation, [session], [chatbot, question, transcript_links],
                          cancels=[answering], api_name="new_conversation").then(**warming)
@@ -160,6 +168,11 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                                 api_name="export")
     demo.queue(default_concurrency_limit=4, max_size=16 * max(concurrency, 1))
     return demo
+
+
+def _take_question(text: str) -> tuple[str, str]:
+    """The question box emptied, its text passed on to the answer (see build_app)."""
+    return "", text or ""
 
 
 def _pacs_panel() -> tuple:

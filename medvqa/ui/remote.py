@@ -4,12 +4,26 @@ number, then load the one chosen, slice by slice with progress.
 The identifier typed is passed to the query and dropped: the box is cleared, and neither the page,
 the chat, the logs nor the export ever show it. What the tab keeps is the list of series found
 (`RemoteSeries`, their UIDs inside, never shown) in a gr.State of its own.
+
+A Find or a Load runs in the "pacs" concurrency group, never in the one that decodes uploads, and
+takes no lock others wait on (medvqa/pacs.py): a slow archive costs its own user time only. When the
+tab goes away its Find or Load is cancelled (`tab_closed`, the page's unload event): no further
+request is made for it. One still queued then never starts: Gradio drops a tab's queued events when
+its data stream closes.
+
+Gradio runs the unload event when the tab's heartbeat connection (/gradio_api/heartbeat/{session})
+closes: at once when a browser tab closes. A gradio_client Client's close() only lets its heartbeat
+thread end when the next heartbeat arrives (every 15 s by default), so a script's "tab" ends up to
+15 s after close().
 """
 
 from __future__ import annotations
 
 import html
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import gradio as gr
 
@@ -28,31 +42,66 @@ class _PacsHandlers:
     def __init__(self, pacs: Pacs, handlers: _Handlers):
         self.pacs = pacs
         self.handlers = handlers
+        self._running: dict[str, set[threading.Event]] = {}  # tab (session hash) → its transfers' cancel events
+        self._lock = threading.Lock()
 
-    def find(self, identifier: str, found: list[RemoteSeries] | None):
+    @contextmanager
+    def _transfer(self, request: gr.Request | None) -> Iterator[threading.Event]:
+        """A cancel event for one Find or Load of the tab, set by `tab_closed`. A call without a
+        session (no tab) has nothing to close it, and is not cancelled with another's tab."""
+        cancel, tab = threading.Event(), getattr(request, "session_hash", None)
+        if not tab:
+            yield cancel
+            return
+        with self._lock:
+            self._running.setdefault(tab, set()).add(cancel)
+        try:
+            yield cancel
+        finally:
+            with self._lock:
+                events = self._running.get(tab, set())
+                events.discard(cancel)
+                if not events:
+                    self._running.pop(tab, None)
+
+    def tab_closed(self, request: gr.Request) -> None:
+        """The page's unload event: the tab's transfers stop (no request is made for it after this)."""
+        tab = getattr(request, "session_hash", None)
+        if not tab:
+            return
+        with self._lock:
+            events = self._running.pop(tab, set())
+        for cancel in events:
+            cancel.set()
+
+    def find(self, identifier: str, found: list[RemoteSeries] | None, request: gr.Request = None):
         """List the study's series (modality, slice count); returns the cleared box, the series
         choices, a status line and the tab's list of series."""
         try:
-            series = self.pacs.find_series(identifier)
+            with self._transfer(request) as cancel:
+                series = self.pacs.find_series(identifier, cancel=cancel)
         except PacsError as error:
             return "", gr.Dropdown(choices=[], value=None, visible=False), _status(str(error)), None
         except Exception:  # noqa: BLE001 - the app keeps serving; the message may hold the identifier
             log.error("the PACS query failed unexpectedly")
             return "", gr.Dropdown(choices=[], value=None, visible=False), _status("The PACS query failed."), None
         choices = [(item.describe(), item.number) for item in series]
+        capped = (" The PACS listed more than the app takes from one search: only the first are shown."
+                  if getattr(series, "capped", False) else "")
         return ("", gr.Dropdown(choices=choices, value=series[0].number, visible=True),
-                _status(f"Found {len(series)} series. Choose one and press Load."), series)
+                _status(f"Found {len(series)} series.{capped} Choose one and press Load."), list(series))
 
     def load(self, number: float, found: list[RemoteSeries] | None, session: _Session | None,
-             progress=gr.Progress()):
+             request: gr.Request = None, progress=gr.Progress()):
         """Fetch the chosen series, showing progress per slice, and show it like an upload."""
         chosen = next((item for item in found or [] if item.number == _as_int(number)), None)
         if chosen is None:
             return self.handlers.viewer_unchanged(session, _error_message("Find a study in the PACS first, then "
                                                                           "choose one of its series."))
         try:
-            study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit="slices"),
-                                    limits=self.handlers.limits)
+            with self._transfer(request) as cancel:
+                study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit="slices"),
+                                        limits=self.handlers.limits, cancel=cancel)
             source = study.series[0]
             scan = source.render()
         except (PacsError, ScanError) as error:

@@ -14,7 +14,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..confidence import held_out_text
-from ..safe_text import inert, safe_url
+from ..safe_text import inert, safe_url, visible
 
 if TYPE_CHECKING:
     from ..injection import InjectionFinding
@@ -27,8 +27,9 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ufffd]")
 
 
 def _escape_model_text(text: str) -> str:
-    """Text the model (or the user) wrote, made inert: no HTML, no Markdown, no autolinks."""
-    text = html.escape(_CONTROL.sub("", text), quote=False)
+    """Text the model (or the user) wrote, made inert: no HTML, no Markdown, no autolinks, no
+    bidirectional overrides or invisible characters."""
+    text = html.escape(_CONTROL.sub("", visible(text)), quote=False)
     text = _MARKDOWN_SPECIAL.sub(r"\\\1", text)
     text = re.sub(r"://", ":&#47;&#47;", text)  # GFM autolinks need a literal "://"
     text = re.sub(r"(?i)\bwww\\\.", "www&#46;", text)  # ... or "www."

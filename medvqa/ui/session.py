@@ -19,6 +19,7 @@ import gradio as gr
 from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
 from ..pipeline import Conversation, Pipeline
+from ..safe_text import visible
 from .transcript import _citation
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class _Session:
     turns: list[dict] = field(default_factory=list)  # answered (or stopped) turns, for the transcript
     generation: int = 0  # bumped by Stop / New conversation / a new scan: a running answer then ends
     current: _Answer | None = None  # the answer being streamed
+    waiting: list = field(default_factory=list)  # questions asked meanwhile (_Answer), answered in this order
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    budget: Any = field(default=None, repr=False)  # the app's DecodedBudget (budget.py), which may drop the pixels
 
     def look_at(self, scan: Scan) -> Conversation:
         """Show `scan` and let the model see exactly it from the next question on. The conversation
@@ -51,7 +54,43 @@ class _Session:
 
     def close(self) -> None:
         """Let the pipeline drop what it cached for this session's conversation."""
+        if self.budget is not None:
+            self.budget.forget(self)
         self.pipeline.end_conversation(self.conversation)
+
+    def _sources(self) -> list:
+        return list(self.study.series) if self.study is not None else [self.source]
+
+    def decoded_bytes(self) -> int:
+        """Bytes of decoded pixels the session holds: the rendered image and the frames kept."""
+        pixels = self.scan.pixels
+        return (pixels.nbytes if pixels is not None else 0) + sum(source.decoded_bytes for source in self._sources())
+
+    def drop_decoded(self) -> None:
+        """The budget's call (budget.py), never while a handler uses the session: let go of the decoded
+        pixels. The conversation keeps its id and image digest, so the model's caches stay valid for
+        the identical pixels `restore_decoded` renders again."""
+        with self.lock:
+            for source in self._sources():
+                source.forget_decoded()
+            self.scan.pixels = None
+            if self.conversation.image is not None:
+                self.conversation.digest  # noqa: B018 - computed now, kept while the image is away
+                self.conversation.__dict__["image"] = None  # not through __setattr__: that drops the digest
+
+    def restore_decoded(self) -> None:
+        """Render the scan again, exactly as it was shown (window and frame), if its pixels were dropped."""
+        with self.lock:
+            scan, source = self.scan, self.source
+        if scan.pixels is not None:
+            return
+        again = source.render(window=scan.window, frame=scan.frame_index)  # decoding: outside the lock
+        again.pixels.setflags(write=False)
+        with self.lock:
+            if self.scan is scan and scan.pixels is None:
+                scan.pixels = again.pixels
+                if self.conversation.image is None:
+                    self.conversation.__dict__["image"] = again.pixels
 
 
 def _close_session(session: _Session | None) -> None:
@@ -118,7 +157,7 @@ class _Answer:
 
     def record(self, stopped: bool = False) -> dict:
         """This turn as the transcript keeps it (`stopped`: the user pressed Stop before the end)."""
-        return {"question": self.question, "answer": self.text.strip(), "stopped": stopped,
+        return {"question": visible(self.question), "answer": visible(self.text).strip(), "stopped": stopped,
                 "window": self.window or self.scan.describe_window(), **_place(self.scan),
                 "citations": [dict(_citation(n, p), support=mark[0] if mark else "related")
                               for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],

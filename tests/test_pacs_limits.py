@@ -1,0 +1,113 @@
+"""What a slow, huge or hostile archive may cost (medvqa/pacs.py), against scripts/fake_archive.py on
+loopback: bounded requests and bytes, deadlines and cancellation that end with a clear message, no
+redirect to another server, and no lock shared with anyone's decoding while the network is waited on.
+Behaviour only: the time figures are scripts/bench_pacs.py's."""
+
+from __future__ import annotations
+
+import threading
+
+import pydicom.data
+import pytest
+from PIL import Image
+
+from medvqa.imaging import ScanLimits, open_scan
+from medvqa.pacs import Pacs, PacsError, PacsLimits
+
+from .conftest import load_script
+from .imaging_helpers import encode
+
+FAKE = load_script("fake_archive")
+CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
+
+
+@pytest.fixture
+def archive():
+    with FAKE.FakeArchive(FAKE.Behaviour(instances=[CT] * 3)) as running:
+        yield running
+
+
+def wait_for_requests(archive, count: int) -> None:
+    for _ in range(600):
+        if len(archive.requests) >= count:
+            return
+        threading.Event().wait(0.05)
+    pytest.fail(f"the archive saw {len(archive.requests)} request(s), expected {count}")
+
+
+def test_a_reply_listing_one_study_600000_times_costs_two_requests(archive):
+    archive.behaviour.study_copies = 600_000
+    found = Pacs(archive.url).find_series("ACC-1")
+    assert [item.describe() for item in found] == ["Series 1: CT, 3 slices"] and found.capped
+    assert len(archive.requests) == 2  # the study query, one series query for the one distinct study
+    assert archive.sent_bytes < 64 * 2**20  # the answer was not read to its end (it is about 40 MB)
+    study = Pacs(archive.url).fetch(found[0])
+    assert study.series[0].frame_count == 3
+
+
+def test_studies_and_series_taken_from_one_answer_are_capped(archive):
+    archive.behaviour.study_copies, archive.behaviour.distinct_studies = 5_000, 50
+    found = Pacs(archive.url, limits=PacsLimits(max_studies=4)).find_series("ACC-1")
+    assert len(found) == 1 and found.capped  # every study lists the same series: listed once
+    assert len(archive.requests) == 1 + 4
+
+
+def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
+    archive.behaviour.instances, archive.behaviour.instance_padding = [CT] * 40, 8 * 2**20  # 40 × 8 MB
+    (series,) = Pacs(archive.url).find_series(FAKE.STUDY_UID)
+    with pytest.raises(PacsError, match="larger than the 2.0 MB upload limit"):
+        Pacs(archive.url).fetch(series, limits=ScanLimits(max_bytes=2 * 2**20))
+    assert archive.sent_bytes < 64 * 2**20  # of 320 MB
+
+
+def test_a_redirect_to_another_server_is_not_followed(archive):
+    with FAKE.FakeArchive() as elsewhere:
+        archive.behaviour.redirect_to = elsewhere.url.replace("127.0.0.1", "localhost")
+        with pytest.raises(PacsError, match="redirected the request to another server"):
+            Pacs(archive.url).find_series(FAKE.STUDY_UID)
+        assert elsewhere.requests == []
+
+
+def test_a_silent_archive_ends_at_the_deadline_with_a_message(archive):
+    archive.behaviour.hold = threading.Event()  # never answers
+    try:
+        with pytest.raises(PacsError, match="did not finish the search within 1 s"):
+            Pacs(archive.url, limits=PacsLimits(find_s=1)).find_series("ACC-1")
+    finally:
+        archive.behaviour.hold.set()
+
+
+def test_waiting_on_the_archive_holds_up_no_one_s_decoding(archive):
+    """The decode guard's lock is not held while a Find waits: an upload decodes meanwhile."""
+    archive.behaviour.hold = threading.Event()
+    outcome = {}
+    finder = threading.Thread(target=lambda: outcome.update(found=Pacs(archive.url).find_series("ACC-1")))
+    finder.start()
+    try:
+        wait_for_requests(archive, 1)
+        png = encode(Image.new("RGB", (64, 64), (90, 20, 200)), "PNG")
+        scan = open_scan(png).render()  # would wait for the archive if the lock were held
+        assert scan.pixels.shape == (64, 64, 3) and finder.is_alive()
+    finally:
+        archive.behaviour.hold.set()
+        finder.join(60)
+    assert len(outcome["found"]) == 1
+
+
+def test_cancelling_stops_the_transfer_and_no_request_follows(archive):
+    archive.behaviour.study_copies, archive.behaviour.distinct_studies = 10, 10
+    archive.behaviour.hold, cancel, outcome = threading.Event(), threading.Event(), {}
+
+    def find():
+        try:
+            Pacs(archive.url).find_series("ACC-1", cancel=cancel)
+        except PacsError as error:
+            outcome["error"] = str(error)
+
+    finder = threading.Thread(target=find)
+    finder.start()
+    wait_for_requests(archive, 1)
+    cancel.set()  # the tab went away while the first query waited for its answer
+    finder.join(60)
+    archive.behaviour.hold.set()
+    assert outcome["error"] == "The PACS search was stopped." and len(archive.requests) == 1
