@@ -92,8 +92,7 @@ def claim(question: str, answer: str) -> Claim:
         finding = _finding(question)
         # The finding as a whole, or a listed finding it names: a passage that only shares a word
         # with it ("heart") is about the topic, not support for the claim.
-        terms = [finding] + _listed_within(finding)
-        return Claim(terms=_unique(terms) if said == "yes" and finding else [], finding=finding, polarity=said)
+        return Claim(terms=_claimed(finding) if said == "yes" and finding else [], finding=finding, polarity=said)
     if not words(answer):
         return Claim()
     content = word_status(answer, _STOP)  # [(word, negated)]
@@ -105,11 +104,10 @@ def claim(question: str, answer: str) -> Claim:
         return Claim(terms=[], finding=" ".join(word for word, _ in content if word not in _NORMAL), polarity="no")
     if len(kept) == 1 and kept[0] in SIDES:
         topic = _topic(question)
-        return Claim(terms=_unique([topic] + _listed_within(topic)) if topic else [], side=kept[0])
-    phrase = " ".join(kept)
+        return Claim(terms=_claimed(topic) if topic else [], side=kept[0])
     # The answer's words as a phrase, and the listed findings in it: one word of a longer answer
     # ("left" of "left lung", "effusion" of "pericardial effusion") is not what it claims.
-    return Claim(terms=_unique(t for t in [phrase] + _listed_within(phrase) if t), finding="", polarity="")
+    return Claim(terms=_claimed(" ".join(kept)), finding="", polarity="")
 
 
 def claim_query(question: str, answer: str, asserted: Claim | None = None) -> str:
@@ -134,10 +132,10 @@ def mark_support(asserted: Claim, text: str) -> tuple[str, Mention | None]:
 
 
 def phrases(asserted: Claim) -> list[str]:
-    """The claim's terms, with the state first ("heart enlarged" -> "enlarged heart"), and their
-    listed synonyms: what a passage sentence is searched for."""
+    """The claim's terms, with the state first ("heart enlarged" -> "enlarged heart"), and the
+    listed synonyms of those that are listed findings: what a passage sentence is searched for."""
     return _unique(phrase for term in asserted.terms for form in _word_orders(term)
-                   for phrase in (form, *SYNONYMS.get(form, ()), *_synonyms_within(form)) if phrase)
+                   for phrase in (form, *SYNONYMS.get(form, ())) if phrase)
 
 
 def image_reliance(real: dict[str, float], neutral: dict[str, float]) -> dict:
@@ -182,13 +180,31 @@ def _names(sentence: str, side: str) -> bool:
     return any(re.search(rf"(?<![a-z]){word}(?![a-z])", sentence.lower()) for word in same)
 
 
-def _listed_within(phrase: str) -> list[str]:
-    """The listed findings (SYNONYMS keys) a phrase names, by name or by a synonym, compared without
-    the words claims drop ("fluid pleural space" names "fluid in the pleural space") and in either
-    order of a state ("renal pelvis dilated" names "dilated renal pelvis")."""
-    padded = [f" {_content(form)} " for form in _word_orders(phrase)]
-    return [name for name, others in SYNONYMS.items()
-            if any(f" {_content(other)} " in form for other in (name, *others) for form in padded)]
+def _claimed(phrase: str) -> list[str]:
+    """A phrase's terms: itself and the listed findings (SYNONYMS keys) it names, by name or by a
+    synonym, compared without the words claims drop ("fluid pleural space" names "fluid in the
+    pleural space") and in either order of a state ("renal pelvis dilated" names "dilated renal
+    pelvis"). Where the phrase says more than the findings it names ("intracranial hemorrhage"),
+    that qualifier is part of the claim: the terms are the phrase with the finding said each listed
+    way ("intracranial bleeding", "intracranial hematoma"), not the bare finding, which a passage
+    about a subcutaneous hemorrhage would hold."""
+    content = _content(phrase)
+    if not content:
+        return []
+    named = []  # (listed finding, the words the phrase names it by, the phrase in that word order)
+    for order in _word_orders(content):
+        for name, others in SYNONYMS.items():
+            form = next((_content(other) for other in (name, *others) if f" {_content(other)} " in f" {order} "), None)
+            if form is not None:
+                named.append((name, form, order))
+    covered = {word for _, form, _ in named for word in form.split()}
+    qualifiers = [word for word in content.split() if word not in covered]
+    if not qualifiers:
+        return _unique([content] + [name for name, _, _ in named])
+    said_otherwise = [variant for name, form, order in named for other in (name, *SYNONYMS[name])
+                      for variant in (f" {order} ".replace(f" {form} ", f" {other} ").strip(),
+                                      " ".join(qualifiers + [other]))]
+    return _unique([content] + said_otherwise)
 
 
 # States a yes/no question puts after the organ ("Is the heart enlarged?") and text puts before it.
@@ -204,16 +220,6 @@ def _word_orders(phrase: str) -> list[str]:
 
 def _content(phrase: str) -> str:
     return " ".join(word for word in words(phrase) if word not in _STOP)
-
-
-def _synonyms_within(term: str) -> list[str]:
-    """Synonyms of the listed findings a multi-word term contains ("heart enlarged" -> cardiomegaly's)."""
-    found = []
-    padded = f" {term} "
-    for name, others in SYNONYMS.items():
-        if f" {name} " in padded or any(f" {other} " in padded for other in others):
-            found += [name, *others]
-    return found
 
 
 def _unique(items) -> list[str]:

@@ -95,6 +95,11 @@ def test_an_open_answer_claims_its_words_and_listed_findings():
     assert marks("What is seen?", "Pericardial effusion", "Pleural effusion on the left.") == ("related", "")
     assert marks("What is seen?", "Left lung", "The left kidney is small.") == ("related", "")
     assert claim_query("What is the pathology?", "Cardiomegaly") == "What is the pathology? Cardiomegaly"
+    # A qualifier is part of the claim: a subcutaneous hemorrhage does not support an intracranial one.
+    passage = "Head CT revealing subcutaneous hemorrhage without fracture or intracranial bleeding."
+    assert marks("Is there intracranial hemorrhage?", "Yes", passage) == ("contradicts", "intracranial bleeding")
+    assert marks("Is there hemorrhage?", "Yes", passage) == ("supports", "hemorrhage")
+    assert marks("What is seen?", "Tension pneumothorax", "A large left pneumothorax.") == ("related", "")
     # A finding said the other way round ("Is the spleen enlarged?" / "enlarged spleen").
     assert marks("Is the spleen enlarged?", "Yes", "CT shows an enlarged spleen.")[0] == "supports"
 
