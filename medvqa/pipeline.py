@@ -50,7 +50,7 @@ class Sources:
     note: str = ""  # why there are none, when there are none
     in_prompt: bool = True  # whether the decoder reads them (see retrieval.prompt_gate)
     # Passages shown beside the answer are retrieved for its claim (trust.claim_query) after it and
-    # come marked: per passage ("supports" | "related", the phrase matched). Passages the decoder
+    # come marked: per passage trust.mark_support's (mark, evidence). Passages the decoder
     # reads come before the answer, unmarked; their marks arrive with Done.
     support: list = field(default_factory=list)
 
@@ -67,7 +67,7 @@ class Done:
     window: str
     timings: dict = field(default_factory=dict)
     in_prompt: bool = True  # whether the passages were in the decoder's prompt
-    support: list = field(default_factory=list)  # per passage: ("supports" | "related", phrase matched)
+    support: list = field(default_factory=list)  # per passage: trust.mark_support's (mark, evidence)
     # A closed answer's scores: {"options": {option: score}, and trust.image_reliance's keys when the
     # options were also scored with a neutral image}; None for free text.
     closed: dict | None = None

@@ -16,6 +16,12 @@
         clustered` draws them around 1,000 centres instead. Then what the index chooser picks at
         this size and at 15M and 36M passages, and a projection of memory, build time, latency and
         embedding hours there (on this machine's CPU; per GPU with --gpu-rate).
+
+    python scripts/bench_retrieval.py costs [--n 200000]
+        The two per-query costs rerank.tune_ivf weighs (SCAN_NS, RESCORE_NS): on an IVF-PQ index of
+        n clustered vectors built as build_index.py builds it (float16 vectors in the page cache),
+        one query thread, the nanoseconds a PQ code scanned (from the time at nprobe 8 and 64) and a
+        candidate re-scored (from k_factor 1 and 64, k = 10), each the median of --repeats runs.
 """
 
 from __future__ import annotations
@@ -60,8 +66,49 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--gpu-rate", type=float, default=None,
                        help="passages/s of a GPU embedding run (build_index.py --device cuda prints it)")
     scale.add_argument("--json", action="store_true")
+    costs = commands.add_parser("costs", help="ns a PQ code scanned and a candidate re-scored")
+    costs.add_argument("--n", type=int, default=200_000)
+    costs.add_argument("--queries", type=int, default=200)
+    costs.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    return run_quality(args) if args.command == "quality" else run_scale(args)
+    return {"quality": run_quality, "scale": run_scale, "costs": run_costs}[args.command](args)
+
+
+# --- costs ----------------------------------------------------------------------------------------
+
+def run_costs(args) -> int:
+    import faiss
+
+    from medvqa.retrieval.index import new_faiss_index, training_size
+    from medvqa.retrieval.rerank import RerankedIndex
+
+    faiss.omp_set_num_threads(1)
+    dim = _embedder_dimension(load_settings("offline").retrieval.embedder)
+    blocks = _Blocks(args.n, dim, 0, "clustered")
+    index, params = new_faiss_index("ivfpq", dim, args.n)
+    index.train(blocks.sample(training_size(index, args.n)))
+    vectors = np.concatenate(list(blocks)).astype(np.float16)  # (n, d), in memory like a cached file
+    index.add(vectors.astype(np.float32))
+    ivf, queries, k = faiss.extract_index_ivf(index), blocks.queries(args.queries), 10
+
+    def seconds_a_query(nprobe: int, k_factor: int) -> float:
+        ivf.nprobe = nprobe
+        searchable = RerankedIndex(index, vectors, k_factor)
+        runs = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            for query in queries:
+                searchable.search(query[None], k)
+            runs.append((time.perf_counter() - started) / len(queries))
+        return float(np.median(runs))
+
+    list_size = args.n / ivf.nlist
+    scan_ns = (seconds_a_query(64, 1) - seconds_a_query(8, 1)) / ((64 - 8) * list_size) * 1e9
+    rescore_ns = (seconds_a_query(8, 64) - seconds_a_query(8, 1)) / ((64 - 1) * k) * 1e9
+    print(json.dumps({"n": args.n, "dim": dim, "nlist": ivf.nlist, "pq_m": params["pq_m"],
+                      "scan_ns": round(scan_ns, 1), "rescore_ns": round(rescore_ns, 1),
+                      "faiss": faiss.__version__}))
+    return 0
 
 
 # --- quality --------------------------------------------------------------------------------------

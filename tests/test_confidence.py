@@ -10,7 +10,7 @@ import pytest
 
 from medvqa.confidence import (CHOICE, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
                                question_kind, reliability)
-from .conftest import load_script
+from .conftest import load_script, prompt_gate
 from medvqa.pipeline import Conversation, Done, Token
 
 
@@ -59,23 +59,49 @@ def test_reliability_bins_count_every_answer():
     assert sum(row["n"] for row in rows) == 4 and rows[-1]["accuracy"] == 1.0
 
 
-def _ask(pipeline, question):
+def _ask(pipeline, question, use_retrieval=False):
     image = np.random.default_rng(3).integers(0, 256, (40, 30, 3), dtype=np.uint8)
-    return list(pipeline.ask(Conversation(image=image), question, use_retrieval=False, warm=False))
+    return list(pipeline.ask(Conversation(image=image), question, use_retrieval=use_retrieval, warm=False))
+
+
+class _Literature:
+    """The retriever's interface, with a passage that describes the finding the test asks about."""
+
+    def search(self, query, k=None, safe_meta=None):
+        from medvqa.retrieval import Passage
+
+        return [Passage("p1", "Chest radiograph showing an enlarged cardiac silhouette.",
+                        "https://pubmed.ncbi.nlm.nih.gov/1/", "", "test", "CC0", 1.0, {"dense": 1}),
+                Passage("p2", "The lungs are clear.", "https://pubmed.ncbi.nlm.nih.gov/2/", "", "test", "CC0", 0.5,
+                        {"dense": 2})]
 
 
 def test_the_pipeline_says_uncertain_below_the_threshold_and_answers_above(tiny_pipeline):
-    saved = tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain
+    saved = tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain, tiny_pipeline.retriever
     try:
         # A calibration under which every yes/no answer is a coin flip.
         tiny_pipeline.calibration = Calibration({YES_NO: (0.0, 0.0), CHOICE: (0.0, 0.0)})
-        events = _ask(tiny_pipeline, "Is the heart enlarged?")
+        tiny_pipeline.retriever = _Literature()
+        with prompt_gate(tiny_pipeline, "never"):  # passages cited after the answer, for its claim
+            events = _ask(tiny_pipeline, "Is the heart enlarged?", use_retrieval=True)
         done = events[-1]
         assert isinstance(done, Done) and done.closed["abstained"] and done.closed["confidence"] == 0.5
         assert done.answer.startswith("Uncertain — the model cannot tell from this image")
         assert done.closed["choice"].capitalize() in done.answer  # the leaning is shown
         assert "".join(e.text for e in events if isinstance(e, Token)).strip() == done.answer
-        assert all(mark == "related" for mark, _ in done.support)  # "Uncertain" claims nothing
+        # "Uncertain" claims nothing: a passage that describes the finding is only related, where a
+        # Yes would be supported by it (the same passages, below).
+        assert len(done.passages) == 2 and [mark for mark, _ in done.support] == ["related", "related"]
+        tiny_pipeline.calibration = Calibration({YES_NO: (0.0, 5.0), CHOICE: (0.0, 5.0)})
+        tiny_pipeline.settings.decoder.yes_bias, saved_bias = 50.0, tiny_pipeline.settings.decoder.yes_bias
+        try:
+            with prompt_gate(tiny_pipeline, "never"):
+                sure_yes = _ask(tiny_pipeline, "Is the heart enlarged?", use_retrieval=True)[-1]
+        finally:
+            tiny_pipeline.settings.decoder.yes_bias = saved_bias
+        assert sure_yes.answer == "Yes" and [mark for mark, _ in sure_yes.support] == ["supports", "related"]
+        tiny_pipeline.retriever = saved[2]
+        tiny_pipeline.calibration = Calibration({YES_NO: (0.0, 0.0), CHOICE: (0.0, 0.0)})
         # The setting that turns abstention off: the same choice, given as the answer.
         tiny_pipeline.settings.decoder.abstain = False
         plain = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
@@ -87,7 +113,7 @@ def test_the_pipeline_says_uncertain_below_the_threshold_and_answers_above(tiny_
         sure = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]
         assert not sure.closed["abstained"] and sure.answer in ("Yes", "No") and sure.closed["confidence"] > 0.99
     finally:
-        tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain = saved
+        tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain, tiny_pipeline.retriever = saved
 
 
 def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settings, monkeypatch):

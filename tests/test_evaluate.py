@@ -95,7 +95,7 @@ def test_the_grounding_evaluation_reports_its_keys(tiny_cache, tmp_path):
                                capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-2000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert set(result) >= {"support_at_3", "claim_support", "supported_precision", "risk_coverage",
+    assert set(result) >= {"support_at_3", "claim_support", "marks", "risk_coverage",
                            "abstention_rate", "image_reliance"}
     assert result["support_at_3"] == {"question_only": 1.0, "app_query_reference": 1.0}  # one passage, it has "liver"
     assert result["term_questions"] == 1 and result["closed_questions"] == 1

@@ -118,6 +118,16 @@ def test_chooser_picks_by_count_and_memory():
 
 # --- IVF-PQ with re-scoring -----------------------------------------------------------------------
 
+def test_the_tuning_costs_are_measured_by_a_script(capsys):
+    """rerank's SCAN_NS and RESCORE_NS come from `bench_retrieval.py costs` (docs/performance.md); the
+    command runs end to end on a small index and prints both."""
+    bench = load_script("bench_retrieval")
+    assert bench.main(["costs", "--n", "20000", "--queries", "5", "--repeats", "1"]) == 0
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert measured["n"] == 20000 and measured["pq_m"] == 48
+    assert isinstance(measured["scan_ns"], float) and isinstance(measured["rescore_ns"], float)
+
+
 def test_rescoring_restores_recall_that_pq_alone_loses():
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((50, 64)).astype(np.float32)

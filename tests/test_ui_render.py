@@ -119,26 +119,40 @@ def test_the_injection_warning_is_shown_next_to_the_answer():
     assert rendered.index("medvqa-injection") < rendered.index("medvqa-sources")
 
 
-def test_sources_are_marked_supports_only_with_the_phrase_matched_and_a_blind_answer_is_noted():
+def test_sources_are_marked_with_the_sentence_they_rest_on_and_a_blind_answer_is_noted():
     from medvqa.retrieval import Passage
+    from medvqa.trust import claim, mark_support
     from medvqa.ui.render import _render_answer
     from medvqa.ui.session import _Answer
 
-    passages = [Passage("p1", "An enlarged cardiac silhouette.", "https://pubmed.ncbi.nlm.nih.gov/1/", "", "", "", 1.0),
-                Passage("p2", "Clear lungs.", "https://pubmed.ncbi.nlm.nih.gov/2/", "", "", "", 0.5)]
+    passages = [Passage("p1", "Chest film. An enlarged cardiac silhouette <b>now</b>.", "https://pubmed.ncbi.nlm.nih.gov/1/",
+                        "", "", "", 1.0),
+                Passage("p2", "Clear lungs.", "https://pubmed.ncbi.nlm.nih.gov/2/", "", "", "", 0.5),
+                Passage("p3", "Cardiomegaly was absent.", "https://pubmed.ncbi.nlm.nih.gov/3/", "", "", "", 0.4)]
+    asserted = claim("Is the heart enlarged?", "Yes")
     answer = _Answer("Is the heart enlarged?", scan=None, passages=passages, text="Yes", in_prompt=False,
-                     support=[("supports", "enlarged cardiac silhouette"), ("related", "")],
+                     support=[mark_support(asserted, passage.text) for passage in passages],
                      closed={"options": {"yes": -0.2, "no": -1.0}, "flagged": True, "without_image": "yes"})
     rendered = _render_answer(answer, final=True)
-    first, second = rendered.split('<li value="2"')
-    assert "supports the answer (mentions “enlarged cardiac silhouette”)" in first
-    assert "supports the answer" not in second and "related" in second
-    assert "retrieved for your question and this answer" in rendered
-    assert "No source supports" not in rendered
+    first, second, third = rendered.split('<li value="1"')[1].split('<li value="')
+    assert "<summary>describes enlarged cardiac silhouette</summary>" in first
+    # The quote is the sentence, inert, with the finding marked.
+    assert ("<blockquote>An <mark>enlarged cardiac silhouette</mark> &#60;b&#62;now&#60;/b&#62;.</blockquote>" in first
+            and "cannot confirm what this scan shows" in first)
+    assert "medvqa-mark" not in second and "related" in second
+    assert "<summary>describes cardiomegaly as absent</summary>" in third and "(“was absent”)" in third
+    assert "<mark>Cardiomegaly</mark> was absent." in third
+    assert "retrieved for your question and this answer" in rendered and "A source describes it as absent." in rendered
+    assert "No source describes" not in rendered
     assert "does not depend on the image" in rendered
-    answer.support, answer.closed = [("related", ""), ("related", "")], {"flagged": False}
+    answer.support, answer.closed = [("related", None)] * 3, {"flagged": False}
     rendered = _render_answer(answer, final=True)
-    assert "No source supports this answer." in rendered and "does not depend on the image" not in rendered
+    assert "No source describes what this answer states." in rendered and "does not depend on the image" not in rendered
+    assert "medvqa-mark" not in rendered
+    # An "Uncertain" answer that survives a blank image: its leaning, not an answer, comes from the question.
+    answer.text, answer.closed = "Uncertain — the model cannot tell from this image.", {"flagged": True, "abstained": True}
+    rendered = _render_answer(answer, final=True)
+    assert "does not depend on the image" not in rendered and "Its leaning does not come from the image" in rendered
 
 
 def test_closed_answers_show_their_confidence_an_uncertain_one_says_it_and_an_uncalibrated_one_says_so():

@@ -3,14 +3,15 @@
     plan = plan_index(count=15_000_000, dimension=384)      # budget: half of this machine's RAM
     plan.kind, plan.params, plan.reason                      # "ivfpq", {...}, "15,000,000 passages: ..."
 
-Three kinds, from the per-vector costs measured with `scripts/bench_retrieval.py scale --n 1000000
---data clustered` (384-d, 2 build threads, 1 query thread):
+Three kinds (their build time, latency and recall at 1M vectors, measured with `python
+scripts/bench_retrieval.py scale --n 1000000 --data clustered`, are recorded in
+docs/performance.md):
 
-| kind  | bytes in RAM a vector | build s / 1M | p50 / p99 ms at 1M | chosen                        |
-|-------|-----------------------|--------------|--------------------|-------------------------------|
-| flat  | 4 d                   | 10           | 49.5 / 81          | below 200k passages (exact)   |
-| hnsw  | 4 d + 8 M + 16        | 353          | 0.55 / 4.95        | below 2M, when it fits        |
-| ivfpq | m + 8 (+ 2 d on disk) | 229          | see the README     | above, or when HNSW won't fit |
+| kind  | bytes in RAM a vector | chosen                        |
+|-------|-----------------------|-------------------------------|
+| flat  | 4 d                   | below 200k passages (exact)   |
+| hnsw  | 4 d + 8 M + 16        | below 2M, when it fits        |
+| ivfpq | m + 8 (+ 2 d on disk) | above, or when HNSW won't fit |
 
 `ivfpq` keeps only PQ codes in memory; its candidates are re-scored against float16 vectors in a
 file beside the index (rerank.py), read by row through the page cache, so recall does not pay for
@@ -27,9 +28,8 @@ import numpy as np
 from medvqa.retrieval.errors import RetrievalError
 
 FAISS_TYPES = ("auto", "flat", "hnsw", "ivfpq")
-FLAT_LIMIT = 200_000  # exact search below this many passages: a query scans all of them (~10 ms at 200k)
+FLAT_LIMIT = 200_000  # exact search below this many passages: a query scans all of them
 HNSW_LIMIT = 2_000_000  # HNSW's recall at efSearch 128 is measured up to 1M; above this IVF-PQ
-FLAT_MS_PER_MILLION = 49.5  # one query thread, 384-d (scales with d)
 HNSW_M, HNSW_EF_CONSTRUCTION = 32, 80
 PQ_SUB_DIMENSION = 8  # PQ with 8-dim sub-vectors of 8 bits: d / 8 bytes a vector
 MEMORY_SHARE = 0.5  # the index may take this share of the machine's RAM; models and BM25 need the rest
@@ -57,9 +57,8 @@ def plan_index(count: int, dimension: int, requested: str = "auto", memory_bytes
         return _with_reason(plan, f"{plan.kind} as requested ({_size(plan)}; {gib}).")
     flat, hnsw, ivf = plans["flat"], plans["hnsw"], plans["ivfpq"]
     if count < FLAT_LIMIT and flat.ram_bytes <= budget:
-        latency = FLAT_MS_PER_MILLION * count / 1e6 * dimension / 384
         return _with_reason(flat, f"flat (exact): {count:,} passages < {FLAT_LIMIT:,}, so a query scans them all "
-                                  f"in about {latency:.1f} ms on one thread ({_size(flat)}).")
+                                  f"({_size(flat)}).")
     if count < HNSW_LIMIT and hnsw.ram_bytes <= budget:
         return _with_reason(hnsw, f"hnsw: {count:,} passages are too many to scan per query and fewer than "
                                   f"{HNSW_LIMIT:,}; the graph fits the {gib} ({_size(hnsw)}).")

@@ -39,6 +39,9 @@ _CSS = """
 .medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
 .medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
 .medvqa-error { color: #b91c1c; }
+.medvqa-mark { display: inline-block; vertical-align: top; font-size: 0.9em; }
+.medvqa-mark summary { cursor: pointer; }
+.medvqa-contradicts summary { color: #b45309; }
 .medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
 """
 

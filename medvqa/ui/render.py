@@ -91,7 +91,11 @@ def _confidence_html(closed: dict) -> str:
 
 
 def _reliance_html(closed: dict) -> str:
-    """The note under a closed answer that the model gives without looking at the scan."""
+    """The note under a closed answer that the model gives without looking at the scan (for an
+    "Uncertain" answer, about the option it leans to: it gave no answer to depend on anything)."""
+    if closed.get("abstained"):
+        return ('<div class="medvqa-reliance">Its leaning does not come from the image either: with a blank '
+                'image the model leans the same way, with most of the same margin.</div>')
     return ('<div class="medvqa-reliance">This answer does not depend on the image: with a blank image the '
             'model gives the same answer, with most of the same margin.</div>')
 
@@ -101,16 +105,39 @@ def _injection_html(finding: InjectionFinding) -> str:
     return f'<div class="medvqa-injection" role="alert">⚠ {html.escape(finding.warning)}</div>'
 
 
-def _support_html(mark: tuple[str, str] | None) -> str:
-    """A source's mark: "supports the answer" only with the phrase the check matched (trust.mark_support)."""
-    if mark and mark[0] == "supports":
-        return f' <small class="medvqa-supports">supports the answer (mentions “{inert(mark[1])}”)</small>'
-    return ' <small class="medvqa-related">related</small>'
+def _support_html(mark: tuple | None) -> str:
+    """A source's mark (trust.mark_support) in a clinician's words: literature can describe a finding,
+    not confirm what this scan shows. "describes cardiomegaly" or "describes cardiomegaly as absent"
+    opens on the sentence it rests on, the finding highlighted, and why; anything else is "related"."""
+    if not mark or mark[0] not in _MARK_WORDS or mark[1] is None:
+        return ' <small class="medvqa-related">related</small>'
+    kind, evidence = mark
+    words, why = _MARK_WORDS[kind]
+    cue = f" (“{inert(evidence.cue)}”)" if kind == "contradicts" and evidence.cue else ""
+    return (f' <details class="medvqa-mark medvqa-{kind}"><summary>{words.format(inert(evidence.phrase))}</summary>'
+            f'<blockquote>{_highlight(evidence.sentence, evidence.start, evidence.end)}</blockquote>'
+            f'<small>{why.format(cue=cue)}</small></details>')
+
+
+_MARK_WORDS = {
+    "supports": ("describes {}", "This sentence states the finding the answer names, and does not deny it, "
+                 "make it conditional or call it only possible. Literature describes findings in other "
+                 "patients; it cannot confirm what this scan shows."),
+    "contradicts": ("describes {} as absent", "This sentence denies the finding the answer names{cue}. It is "
+                    "about other patients, but worth checking against the scan."),
+}
+
+
+def _highlight(sentence: str, start: int, end: int) -> str:
+    """A sentence made inert, with the part from `start` to `end` marked."""
+    before, named, after = sentence[:start], sentence[start:end], sentence[end:]
+    return (inert(before) + (" " if before[-1:].isspace() else "") + f"<mark>{inert(named)}</mark>"
+            + (" " if after[:1].isspace() else "") + inert(after))
 
 
 def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, support: list | None = None) -> str:
-    """The numbered sources of an answer, each marked as supporting the answer or related. One HTML
-    block with no blank line, so Markdown leaves it be."""
+    """The numbered sources of an answer, each with its mark (describes the finding, describes it as
+    absent, related). One HTML block with no blank line, so Markdown leaves it be."""
     if not passages:
         reason = html.escape(note or "No literature passage was retrieved.")
         return f'<div class="medvqa-sources medvqa-no-sources"><b>No literature support.</b> {reason}</div>'
@@ -125,13 +152,16 @@ def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, su
             + f'<details><summary>Passage text</summary><blockquote>{_passage_text_html(passage.text)}</blockquote>'
               f'</details></li>')
     supported = any(mark and mark[0] == "supports" for mark in marks)
+    contradicted = any(mark and mark[0] == "contradicts" for mark in marks)
     if in_prompt:
         heading = "<b>Sources</b> <small>(the passages the model read)</small>"
     else:
         heading = ("<b>Related literature</b> <small>(retrieved for your question and this answer; this model "
                    "answers from the image alone)</small>")
     if not supported:
-        heading += " <small>No source supports this answer.</small>"
+        heading += " <small>No source describes what this answer states.</small>"
+    if contradicted:
+        heading += " <small>A source describes it as absent.</small>"
     return f'<div class="medvqa-sources">{heading}<ol>{"".join(items)}</ol></div>'
 
 

@@ -147,7 +147,7 @@ class _Answer:
     started: bool = False
     in_prompt: bool = True  # the model read the passages (else they are related literature only)
     injection: InjectionFinding | None = None  # the answer repeats an instruction or link from a passage
-    support: list = field(default_factory=list)  # per passage: ("supports" | "related", phrase matched)
+    support: list = field(default_factory=list)  # per passage: trust.mark_support's (mark, evidence)
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
     confidence_note: str = ""  # a closed question answered in free text: why it has no confidence
 

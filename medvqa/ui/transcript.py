@@ -76,7 +76,9 @@ def export_markdown(record: dict) -> str:
                      "not measured" if confidence is None else f"{100 * confidence:.0f} %")
             lines += [f"- Confidence: {shown}"
                       + ("; not answered (uncertain)" if turn["closed"]["abstained"] else "")
-                      + ("; the same answer without the image" if turn.get("image_reliance", {}).get("flagged") else ""),
+                      + (("; the same leaning without the image" if turn["closed"]["abstained"] else
+                          "; the same answer without the image")
+                         if turn.get("image_reliance", {}).get("flagged") else ""),
                       ""]
         if turn.get("injection"):
             lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
