@@ -372,8 +372,11 @@ class StepLoop:
                                         f"may exceed the context window."))
             return
         for job, index in wanted:
-            pointer = self._lib.llama_get_logits_ith(self._ctx, index)
-            job.rows.append(np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy())
+            # A plain copy out of llama.cpp's buffer (np.ctypeslib.as_array took 0.4 % of the loop's
+            # profile, more than the rest of its Python between calls).
+            row = np.empty(self.n_vocab, dtype=np.float32)
+            ctypes.memmove(row.ctypes.data, self._lib.llama_get_logits_ith(self._ctx, index), row.nbytes)
+            job.rows.append(row)
         for job, piece, count in entries:
             job.slot.cached += piece.keyed[piece.done:piece.done + count]
             piece.done += count
