@@ -73,6 +73,9 @@ class DecoderConfig:
     # near-tie yes/no answers (docs/performance.md, "Decoder weight types"), so the offline default runs the
     # shipped file as it is.
     llama_cpp_type: str = ""
+    # llama.cpp engine: threads for a step of one position (one answer's next token); prompts and steps
+    # of several answers take all cores. 0 = all cores too. See engines/llama_cpp.TOKEN_THREADS.
+    llama_cpp_token_threads: int = 1
     cpu_column_major: bool = True  # on CPU, store linear weights column-major (faster one-token decode)
     cpu_fast_decode: bool = True  # on CPU, decode Llama-family tokens with fused products (engines/cpu_fast.py)
     # transformers engine: run the decode steps of concurrent answers as one batched step (Llama-family

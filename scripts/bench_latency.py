@@ -149,19 +149,36 @@ def main() -> None:
     low = high // 10
     prefill, decode = [], []
     bandwidths = []
+    loop = getattr(engine, "loop", None)  # llama.cpp's step loop: its llama_decode calls are timed
+    step_ms, switches = [], []
     for _ in range(args.runs):
         # The bandwidth is sampled beside each decode run: on a shared virtual machine it drifts
         # (medians of separate probes ranged from 31 to 59 GB/s between runs here).
         bandwidths.append(measure_bandwidth_gbps(repeats=3))
         ids = rng.integers(low, high, args.prompt_tokens).tolist()  # fresh ids: nothing to reuse
         prefill.append(args.prompt_tokens / _time_prefill(engine, ids))
-        start, first_at = time.perf_counter(), None
+        first_at = None
         for _ in engine.stream(_text_request(ids), max_new_tokens=args.new_tokens + 1, ignore_eos=True):
             if first_at is None:
                 first_at = time.perf_counter()
+                switched = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+                if loop is not None:
+                    steps, decode_s = loop.steps, loop.decode_s
         decode.append(args.new_tokens / (time.perf_counter() - first_at))
+        switches.append((resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switched) / args.new_tokens)
+        if loop is not None:
+            step_ms.append(1000 * (loop.decode_s - decode_s) / max(loop.steps - steps, 1))
 
     bandwidth = statistics.median(bandwidths)
+    # llama.cpp's own time for one token in the same process and context, without the step loop: at
+    # the engine's one-token thread count and at its batch count (all cores). The fastest is the
+    # floor the engine's time per token is compared with.
+    raw_step_ms = {}
+    if hasattr(engine, "time_token_step"):
+        ids = rng.integers(low, high, args.prompt_tokens + args.new_tokens // 2).tolist()  # mid-answer depth
+        for threads in sorted({engine.token_threads, engine.batch_threads}):
+            seconds = engine.time_token_step(_text_request(ids, f"bench-raw-{threads}"), 10 * args.runs, threads)
+            raw_step_ms[threads] = round(1000 * statistics.median(seconds), 1)
 
     # What a next turn costs: its question and the template's end of turn, prefilled after a cached
     # conversation. Few tokens at a time run far below the long-prompt prefill rate.
@@ -189,11 +206,17 @@ def main() -> None:
         "prefill_tok_s": round(statistics.median(prefill), 1),
         "decode_tok_s": round(statistics.median(decode), 1),
         "tpot_ms": round(1000 / statistics.median(decode), 1),
+        "voluntary_switches_per_token": round(statistics.median(switches), 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 0),
         "bandwidth_gbps": round(bandwidth, 1),
         "decode_limit_tok_s": round(bandwidth * 1e9 / bytes_per_token, 1),
         "prefill_ms_after_100_by_tokens": prefill_ms_by_tokens,
     }
+    if raw_step_ms:
+        result["step_loop_decode_ms"] = round(statistics.median(step_ms), 1)  # llama_decode inside the loop
+        result["raw_step_ms_by_threads"] = raw_step_ms
+        result["raw_step_ms"] = min(raw_step_ms.values())
+        result["tpot_vs_raw_step"] = round(result["tpot_ms"] / result["raw_step_ms"], 2)
     if gguf and Path(args.llama_bench).is_file():
         reference = run_llama_bench(args.llama_bench, gguf,
                                     args.prompt_tokens, args.new_tokens, torch.get_num_threads(), args.runs)
@@ -209,6 +232,10 @@ def main() -> None:
           f"next-turn TTFT = {result['ttft_next_turn_s'] / result['ttft_first_turn_s']:.2f} x first turn; "
           f"first turn after the app's warming = {result['ttft_first_turn_warmed_s'] / result['ttft_first_turn_s']:.2f} x; "
           f"next turn prefilled as typed = {result['ttft_next_turn_typed_s'] / result['ttft_first_turn_s']:.2f} x")
+    if "tpot_vs_raw_step" in result:
+        print(f"  time per output token {result['tpot_ms']} ms = {result['tpot_vs_raw_step']:.2f} x llama.cpp's own "
+              f"one-token step in this process and context ({result['raw_step_ms']} ms; by threads "
+              f"{result['raw_step_ms_by_threads']}); the step loop's llama_decode took {result['step_loop_decode_ms']} ms")
     if "llama_bench_decode_tok_s" in result:
         print(f"  against llama-bench on the same GGUF: decode {100 * result['decode_tok_s'] / result['llama_bench_decode_tok_s']:.0f} %, "
               f"prefill {100 * result['prefill_tok_s'] / result['llama_bench_prefill_tok_s']:.0f} %")

@@ -15,7 +15,9 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 from medvqa.config import load_settings  # noqa: E402
 from medvqa.engines import EngineRequest  # noqa: E402
 from medvqa.model import embed_prompt, image_digest, image_key  # noqa: E402
+from medvqa.engines.llama_cpp import LlamaCppEngine  # noqa: E402
 from medvqa.pipeline import Conversation, Done, Pipeline  # noqa: E402
+from medvqa.prompt import Prompt  # noqa: E402
 from .threads import join_all, until  # noqa: E402
 
 
@@ -428,3 +430,33 @@ def test_an_answer_running_as_the_engine_closes_fails_with_a_clear_error():
     with pytest.raises(RuntimeError, match="closed"):
         list(pipeline.ask(Conversation(image=_image(71)), "Describe the image.", constrained=False,
                           use_retrieval=False, warm=False))
+
+
+def test_one_token_steps_run_on_their_own_thread_count_and_prompts_on_all(pipelines):
+    """An answer's next token runs on decoder.llama_cpp_token_threads (1 by default), prompts and steps
+    of several answers on the engine's full count; 0 means the full count for both."""
+    llama, _ = pipelines
+    engine, lib = llama.engine, llama.engine._lib
+    assert (engine.token_threads, engine.batch_threads) == (1, engine.batch_threads)
+    assert lib.llama_n_threads(engine.ctx) == 1 and lib.llama_n_threads_batch(engine.ctx) == engine.batch_threads
+    with pytest.raises(ValueError, match="llama_cpp_token_threads"):
+        LlamaCppEngine(engine.gguf_path, engine.tokenizer, engine.config, token_threads=-1)
+
+
+def test_the_bare_token_step_leaves_the_cache_and_the_threads_as_they_were(pipelines):
+    """time_token_step (benchmarks' floor for the time per token) times bare llama_decode calls after a
+    prompt, then gives the slot back holding just the prompt, with the thread counts restored; an
+    answer to the same prompt afterwards is the one given before."""
+    llama, _ = pipelines
+    engine, lib = llama.engine, llama.engine._lib
+    ids = list(range(300, 340))
+    request = EngineRequest("timed", Prompt(ids, [False] * len(ids)), image=None, image_key=-1)
+    before = "".join(engine.stream(request, max_new_tokens=8))
+    for threads in (None, engine.batch_threads):
+        seconds = engine.time_token_step(request, 3, threads)
+        assert len(seconds) == 3 and all(second > 0 for second in seconds)
+    assert lib.llama_n_threads(engine.ctx) == engine.token_threads
+    assert lib.llama_n_threads_batch(engine.ctx) == engine.batch_threads
+    assert not any(slot.busy for slot in engine._slots)
+    assert any(slot.cached == ids for slot in engine._slots)
+    assert "".join(engine.stream(request, max_new_tokens=8)) == before

@@ -64,7 +64,8 @@ def load_engine(settings: Settings, device: torch.device, dtype: torch.dtype) ->
         # The tokenizer of the converted folder: the same ids the projector was trained with.
         tokenizer = AutoTokenizer.from_pretrained(resolve_decoder_folder(config, settings.cache_dir))
         gguf = requantized_gguf(gguf, config.llama_cpp_type, settings.cache_dir)
-        return LlamaCppEngine(gguf, tokenizer, config, n_threads=torch.get_num_threads())
+        return LlamaCppEngine(gguf, tokenizer, config, n_threads=torch.get_num_threads(),
+                              token_threads=config.llama_cpp_token_threads)
     from .transformers import TransformersEngine
 
     language_model = LanguageModel.load(config, device, dtype, settings.cache_dir, settings.offline, settings.profile)

@@ -32,6 +32,14 @@ from .base import Detokenizer, Engine, EngineRequest, sample_next_token, shared_
 from .llama_steps import BATCH_CAPACITY, Generation, Job, Piece, Prefill, Scoring, StepLoop
 
 MIN_BORROWED = 4  # prompt positions another slot must hold beyond a slot's own cache to copy them over
+# Threads for a step of one position: one answer's next token. llama.cpp (an OpenMP build, sharing
+# torch's libgomp) meets its threads at a barrier after each of the ~380 operations of a token, and
+# libgomp stops spinning at barriers (each waiter sleeps on a futex, 759 sleeps a token) as soon as
+# the threads of all OpenMP teams in the process outnumber the cores: torch's team plus the step
+# loop's always do. On 2 cores that cost about 10 ms a token (the issue-35 profile in
+# docs/performance.md); one thread has no barrier, runs the token in the CPU time two took, and
+# leaves the other core to the reader, the web server and the vision encoder.
+TOKEN_THREADS = 1
 
 
 def gguf_file_type(path: str | os.PathLike) -> str:
@@ -126,7 +134,7 @@ class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
     def __init__(self, gguf_path: str, tokenizer, config: DecoderConfig, n_threads: int | None = None,
-                 slots: int = 8):
+                 slots: int = 8, token_threads: int = TOKEN_THREADS):
         import llama_cpp
 
         self._lib = llama_cpp
@@ -134,6 +142,8 @@ class LlamaCppEngine(Engine):
         self.config = config
         self.tokenizer = tokenizer
         threads = n_threads or os.cpu_count() or 1
+        if token_threads < 0:
+            raise ValueError(f"decoder.llama_cpp_token_threads must be 0 (all cores) or more, not {token_threads}.")
         # llama-cpp-python routes llama.cpp's log through this logger; keep only errors.
         from llama_cpp._logger import set_verbose
 
@@ -153,7 +163,10 @@ class LlamaCppEngine(Engine):
         # runs a batch over separate streams in one pass only for consecutive sequence ids, so
         # answers in slots 0, 1, 2 share a pass and answers in slots 0 and 5 take one each.
         params.kv_unified = False
-        params.n_threads = params.n_threads_batch = threads
+        # llama.cpp runs a step of one position (one answer's next token) on `n_threads` and larger
+        # steps (prompts, several answers) on `n_threads_batch`. See TOKEN_THREADS for why one.
+        self.token_threads, self.batch_threads = min(token_threads, threads) or threads, threads
+        params.n_threads, params.n_threads_batch = self.token_threads, self.batch_threads
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context for the decoder.")
@@ -336,6 +349,25 @@ class LlamaCppEngine(Engine):
             return
         loop.cancel(job)
         self._give_back(job.slot)
+
+    def time_token_step(self, request: EngineRequest, runs: int, threads: int | None = None) -> list[float]:
+        """Seconds of each of `runs` bare llama_decode calls of one token after the request's prompt
+        (cached first), in this context and process with no step in progress: llama.cpp's own time
+        per token here, which benchmarks set the engine's against. `threads`: run them on this many
+        threads instead of the engine's one-token count."""
+        self.prefill(request)
+        slot = self._take_slot(request.cache_ids())
+        token = request.prompt.token_ids[-1]
+        try:
+            with self.loop.context_lock:
+                before = (self._lib.llama_n_threads(self.ctx), self._lib.llama_n_threads_batch(self.ctx))
+                self._lib.llama_set_n_threads(self.ctx, threads or before[0], before[1])
+                try:
+                    return self.loop.time_token_step(slot, token, runs)
+                finally:
+                    self._lib.llama_set_n_threads(self.ctx, *before)
+        finally:
+            self._give_back(slot)
 
     # --- the engine contract ---------------------------------------------------------------------
 
