@@ -19,7 +19,7 @@ from medvqa.config import PROFILES
 
 
 def main(argv: list[str] | None = None) -> int:
-    _limit_malloc_arenas()
+    _tune_malloc()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=PROFILES, default=None,
                         help="model profile (default: $MEDVQA_PROFILE, else offline)")
@@ -89,20 +89,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """Why: glibc gives each thread that allocates under contention a heap of its own (an arena) and
-    seldom hands their free pages back, so the app's worker threads grew its RSS by 134-211 MB in a
-    10-minute, 8-client soak (scripts/soak_app.py) against 35 MB with two arenas. The same as
-    MALLOC_ARENA_MAX=2, which, when set, wins; it must run before the threads start. Does nothing
-    where the C library has no mallopt."""
-    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+def _tune_malloc(arenas: int = 2, mmap_threshold_mb: int = 4) -> None:
+    """Why: glibc keeps freed memory for reuse rather than hand it back, and the app's pattern (many
+    threads, now and then a scan of hundreds of MB decoded and dropped) makes it keep a lot.
+
+    - Each thread that allocates under contention gets a heap of its own (an arena), and their free
+      pages are seldom handed back: the worker threads grew RSS by 134-211 MB in a 10-minute, 8-client
+      soak (scripts/soak_app.py) against 35 MB with two arenas (as MALLOC_ARENA_MAX=2).
+    - Buffers over the mmap threshold get pages of their own, returned when freed; below it they come
+      from the heaps. glibc raises the threshold (up to 32 MB) each time such a buffer is freed, so the
+      buffers of a huge image's decoding then land in the heaps and stay there: with 5,900 x 5,900
+      PNGs among normal sessions (scripts/soak_app.py --minutes 4 --clients 4) the app ended 495 MB
+      above its RSS after the warm-up, every session closed. A fixed 4 MB threshold (as
+      MALLOC_MMAP_THRESHOLD_=4194304) gives that back; a normal scan's buffers are smaller.
+
+    An explicit MALLOC_ARENA_MAX or MALLOC_MMAP_THRESHOLD_ wins; this must run before the threads
+    start. Does nothing where the C library has no mallopt."""
+    if not sys.platform.startswith("linux"):
         return
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return
-    m_arena_max = -8  # glibc's M_ARENA_MAX
-    mallopt(ctypes.c_int(m_arena_max), ctypes.c_int(arenas))
+    m_arena_max, m_mmap_threshold = -8, -3  # glibc's M_ARENA_MAX, M_MMAP_THRESHOLD
+    if not os.environ.get("MALLOC_ARENA_MAX"):
+        mallopt(ctypes.c_int(m_arena_max), ctypes.c_int(arenas))
+    if not os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(mmap_threshold_mb * 2**20))
 
 
 if __name__ == "__main__":

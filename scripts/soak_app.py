@@ -21,7 +21,8 @@ else time.
 The app is started here (scripts/bench_app.py's start_app) with its own upload folder
 (GRADIO_TEMP_DIR) and --max-upload-mb 2. Every second the app's RSS, its open file descriptors and the
 files in the upload folder are sampled. The first --warmup-minutes are warm-up; RSS growth is the RSS
-at the end (load stopped, sessions closed) minus the RSS when the warm-up ended. At the end the
+at the end (load stopped, sessions ended: 20 s after the last client closed) minus the RSS when the
+warm-up ended. At the end the
 script waits up to --settle-s for the upload sweeper, then counts the files left. Last line:
 
     errors=E rss_growth_mb=G files_left=F upload_p95_s=P
@@ -49,6 +50,7 @@ MAX_UPLOAD_MB = 2
 KINDS = ("png", "dicom", "oversize", "corrupt", "not_an_image", "stray", "huge", "pacs_slow")
 WEIGHTS = (40, 25, 8, 9, 8, 10, 5, 5)
 OPEN_REFUSAL = "The scan could not be opened"
+SESSION_END_S = 20  # after the load stops: Gradio's 15 s heartbeat, and a margin
 
 
 @dataclass
@@ -141,7 +143,10 @@ def soak(server: subprocess.Popen, url: str, upload_dir: Path, work_dir: Path, a
     settle_deadline = load_ended + args.settle_s
     while time.monotonic() < settle_deadline and count_files(upload_dir):
         time.sleep(1)
-    time.sleep(max(0.0, min(10.0, settle_deadline - time.monotonic())))  # end-of-run samples, app idle
+    # End-of-run samples, app idle: once the last clients' sessions have ended (a gradio_client Client's
+    # close() ends its session only at the next heartbeat, up to 15 s later), 10 s of them.
+    time.sleep(max(0.0, load_ended + SESSION_END_S - time.monotonic()))
+    time.sleep(max(0.0, min(10.0, settle_deadline - time.monotonic())))
     stop_sampling.set()
     sampler.join(timeout=5)
     files_left = count_files(upload_dir)
@@ -337,8 +342,9 @@ def report(samples: list[Sample], tally: Tally, started: float, warmup_s: float,
     by_minute = [min(samples, key=lambda s, t=t: abs(s.t - t)) for t in range(60, int(load_s) + 1, 60)]
     print("rss_mb by minute: " + " ".join(f"{round(s.t / 60)}:{s.rss_mb:.0f}" for s in by_minute))
     print("threads by minute: " + " ".join(f"{round(s.t / 60)}:{s.threads}" for s in by_minute))
-    print(f"rss_mb: after warm-up ({warmup_s:.0f} s) {baseline:.0f}, peak after warm-up {peak:.0f}, "
-          f"at the end {end:.0f}; peak over the whole run (VmHWM) {rss_mb(pid, 'VmHWM') or float('nan'):.0f}")
+    start = statistics.median(s.rss_mb for s in samples[:3]) if samples else float("nan")  # app idle, no session
+    print(f"rss_mb: at the start {start:.0f}, after warm-up ({warmup_s:.0f} s) {baseline:.0f}, peak after warm-up "
+          f"{peak:.0f}, at the end {end:.0f}; peak over the whole run (VmHWM) {rss_mb(pid, 'VmHWM') or float('nan'):.0f}")
     print(f"open fds: after warm-up {after_warmup[0].fds if after_warmup else -1}, "
           f"peak {max((s.fds for s in samples), default=-1)}, at the end {samples[-1].fds if samples else -1}")
     print(f"upload folder: most files at once {max((s.upload_files for s in samples), default=0)}, "

@@ -111,3 +111,32 @@ def test_cancelling_stops_the_transfer_and_no_request_follows(archive):
     finder.join(60)
     archive.behaviour.hold.set()
     assert outcome["error"] == "The PACS search was stopped." and len(archive.requests) == 1
+
+
+def test_closing_a_tab_stops_its_own_finds_only(archive):
+    """The page's unload handler (medvqa/ui/remote.py) cancels the closed tab's Find; another tab's, or
+    a call without a session (no tab to close), goes on."""
+    from types import SimpleNamespace
+
+    from medvqa.ui.remote import _PacsHandlers
+
+    archive.behaviour.hold = threading.Event()
+    remote, outcome = _PacsHandlers(Pacs(archive.url), handlers=None), {}
+
+    def find(name: str, request) -> None:
+        outcome[name] = remote.find("ACC-1", None, request)[2]
+
+    tabs = {"closed": SimpleNamespace(session_hash="tab-1"), "open": SimpleNamespace(session_hash="tab-2"),
+            "no session": None}
+    finders = [threading.Thread(target=find, args=item) for item in tabs.items()]
+    for finder in finders:
+        finder.start()
+    wait_for_requests(archive, 3)
+    remote.tab_closed(None)  # no tab: nothing to cancel
+    remote.tab_closed(tabs["closed"])
+    finders[0].join(60)
+    archive.behaviour.hold.set()
+    for finder in finders[1:]:
+        finder.join(60)
+    assert "The PACS search was stopped." in outcome["closed"]
+    assert "Found 1 series." in outcome["open"] and "Found 1 series." in outcome["no session"]

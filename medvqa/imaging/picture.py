@@ -32,7 +32,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
     count = _guarded(damaged, lambda: getattr(image, "n_frames", 1)) if kind == "tiff" else 1
     if count > limits.max_frames:
         raise ScanError(_too_large_message(*image.size[::-1], count, limits))
-    total_pixels, first_mode, shape = 0, image.mode, None
+    total_pixels, first_mode, shape, shown = 0, image.mode, None, count // 2  # ScanSource shows the middle frame
     for index in range(count):
         _guarded(damaged, image.seek, index)
         columns, rows = image.size
@@ -43,13 +43,15 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
         if (rows * columns > limits.max_frame_pixels or total_pixels > limits.max_pixels
                 or total_pixels * bytes_per_pixel > limits.max_decoded_bytes):
             raise ScanError(_too_large_message(rows, columns, count, limits))
-        # Each frame is decoded once now, so that a damaged one is refused at once, and dropped: the
-        # source keeps the file's bytes and decodes the frame shown again when it is needed.
+        # Each frame is decoded once now, so that a damaged one is refused at once, and dropped but
+        # the one shown first: the source keeps the file's bytes and decodes a frame again when needed.
         frame = _guarded(damaged, _picture_frame, image, kind)
         shape = shape or frame.values.shape
+        if index == shown:
+            first_shown = frame
         del frame
     log.debug("decoded %s with %d frame(s)", kind, count)
-    frames = _PictureFrames(raw, kind, damaged)
+    frames = _PictureFrames(raw, kind, damaged, decoded=(shown, first_shown))
     rows, columns = shape[:2]
     safe_meta = {"Format": _PILLOW_FORMAT[kind], "Rows": str(rows), "Columns": str(columns),
                  "PixelFormat": first_mode}  # Pillow's mode, e.g. "L", "I;16", "RGB"
@@ -61,8 +63,9 @@ class _PictureFrames(_LastFrame):
     """A picture's frames decoded on demand from the file's bytes (kept: a PNG or JPEG is far smaller
     than its pixels)."""
 
-    def __init__(self, raw: bytes, kind: str, damaged: str):
+    def __init__(self, raw: bytes, kind: str, damaged: str, decoded: tuple[int, _Frame] | None = None):
         self.raw, self.kind, self.damaged = raw, kind, damaged
+        self._cached = decoded  # (index, frame) already decoded, kept as the last one
 
     def _decode(self, index: int) -> _Frame:
         image = _guarded(self.damaged, Image.open, io.BytesIO(self.raw), formats=[_PILLOW_FORMAT[self.kind]])
@@ -90,4 +93,4 @@ def _picture_frame(image: Image.Image, kind: str) -> _Frame:
         rgba = np.asarray(image.convert("RGBA"), dtype=np.float64)  # (H, W, 4); P may carry transparency
         rgb = rgba[..., :3] * rgba[..., 3:] / 255
         return _Frame(values=np.rint(rgb).astype(np.uint8), is_color=True)
-    return _Frame(values=np.asarray(image.convert("RGB")), is_color=True)
+    return _Frame(values=np.asarray(image if mode == "RGB" else image.convert("RGB")), is_color=True)
