@@ -33,12 +33,13 @@ from .llama_steps import BATCH_CAPACITY, Generation, Job, Piece, Prefill, Scorin
 
 MIN_BORROWED = 4  # prompt positions another slot must hold beyond a slot's own cache to copy them over
 # Threads for a step of one position: one answer's next token. llama.cpp (an OpenMP build, sharing
-# torch's libgomp) meets its threads at a barrier after each of the ~380 operations of a token, and
-# libgomp stops spinning at barriers (each waiter sleeps on a futex, 759 sleeps a token) as soon as
-# the threads of all OpenMP teams in the process outnumber the cores: torch's team plus the step
-# loop's always do. On 2 cores that cost about 10 ms a token (the issue-35 profile in
-# docs/performance.md); one thread has no barrier, runs the token in the CPU time two took, and
-# leaves the other core to the reader, the web server and the vision encoder.
+# torch's libgomp) meets its threads at a barrier after each operation of the graph, and libgomp
+# stops spinning at barriers (each waiter sleeps on a futex: 759 sleeps a token) as soon as the
+# threads of all OpenMP teams in the process outnumber the cores, as torch's team and the step
+# loop's do on 2 cores. In the issue-35 profile (docs/performance.md) those barriers were most of a
+# token's time. One thread has no barrier, was within 2 % of two or faster for every step shape
+# (scripts/bench_llama_batch.py --as-in-app --against-threads 2), and leaves the other core to the
+# reader, the web server and the vision encoder.
 TOKEN_THREADS = 1
 
 
