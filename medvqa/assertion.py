@@ -141,6 +141,11 @@ def _phrase_pattern(phrase: str) -> re.Pattern | None:
     return re.compile(r"(?<![\w-])" + r"[\s\-]+".join(words) + r"(?![\w-])", re.IGNORECASE)
 
 
+def warm() -> None:
+    """Load medspaCy now (a few seconds, ~190 MiB), so the first answer with passages does not wait for it."""
+    _pipeline()
+
+
 @functools.cache
 def _pipeline():
     """medspaCy's tokenizer and ConText (default rules + EXTRA_RULES), and spaCy's rule-based sentence

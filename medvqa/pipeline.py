@@ -194,6 +194,9 @@ class Pipeline:
 
             ensure_default_index(settings.retrieval, progress=progress)
             retriever = Retriever.open(settings.retrieval)
+            from .assertion import warm
+
+            warm()  # passages get support marks: load their sentence check before the first answer
         return cls(settings, engine, model, retriever, metrics)
 
     # --- conversations ---------------------------------------------------------------------------
