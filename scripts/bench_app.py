@@ -111,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary["answers"] == clients * args.questions
     finally:
         if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_app(server)
     return 0 if clean else 1
 
 
@@ -150,6 +146,15 @@ def session_line(r: SessionResult) -> str:
 
 
 # ── The app ──────────────────────────────────────────────────────────────────────────────────
+
+def stop_app(server: subprocess.Popen) -> None:
+    """Stop a server started here: asked first, killed if it has not gone within 30 s."""
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
 
 def start_app(profile: str, timeout: float, extra_args: list[str] | tuple[str, ...] = (),
               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

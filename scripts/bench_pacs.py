@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench_app import start_app, text_of
+from bench_app import start_app, stop_app, text_of
 from fake_archive import Behaviour, FakeArchive
 
 
@@ -51,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run(url, server, archive, ct, huge, args)
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_app(server)
     return 0
 
 

@@ -233,11 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                     check(f"vllm_vs_app[{question}]", done.answer == expected,
                           "" if done.answer == expected else f"{done.answer!r} != {expected!r}")
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            from bench_app import stop_app  # scripts/ is on the path when run as a script
+
+            stop_app(server)
 
     results["failed"] = failed
     print(json.dumps(results))

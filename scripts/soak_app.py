@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_app import QUESTIONS, answer_text, percentile, plain, session_image, start_app, text_of
+from bench_app import QUESTIONS, answer_text, percentile, plain, session_image, start_app, stop_app, text_of
 from bench_pacs import huge_png, plain_status
 from fake_archive import Behaviour, FakeArchive
 
@@ -113,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return soak(server, url, upload_dir, work_dir, args, warmup_s)
         finally:
             archive.__exit__(None, None, None)
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_app(server)
 
 
 def soak(server: subprocess.Popen, url: str, upload_dir: Path, work_dir: Path, args, warmup_s: float) -> int:
