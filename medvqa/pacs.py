@@ -48,19 +48,14 @@ from urllib.parse import quote, urljoin, urlsplit
 from .imaging import ScanError, ScanLimits, Study, open_study
 from .imaging.defined_terms import MODALITY
 from .imaging.guard import _quiet_logs
+from .pacs_stream import PacsError, multipart_bodies, multipart_boundary, read_whole, utf8_chunks
 
 ENV_USERNAME, ENV_PASSWORD, ENV_TOKEN = "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN"
 _UID = re.compile(r"[0-9]+(\.[0-9]+)+")
 _MODALITY, _STUDY_UID, _SERIES_UID, _COUNT = "00080060", "0020000D", "0020000E", "00201209"
 _ACCESSION = re.compile(r"[A-Za-z0-9 ._/-]{1,16}")  # DICOM SH: 16 characters
 _CHUNK = 64 * 1024
-_MAX_PART_HEADER = 16 * 1024
 _MAX_REDIRECTS = 3
-
-
-class PacsError(Exception):
-    """A query or a fetch failed. The message is for a clinician and never quotes the identifier,
-    a URL or the archive's own error text."""
 
 
 @dataclass(frozen=True)
@@ -317,7 +312,7 @@ class _Transfer:
         entries, bad = _Answer(), "The PACS answer was not a DICOMweb search result."
         with self.get(path, params, "application/dicom+json, application/json") as response:
             decoder, buffer, position, expecting, read = json.JSONDecoder(), "", 0, "[", 0
-            for piece in _utf8_chunks(self._chunks(response)):
+            for piece in utf8_chunks(self._chunks(response)):
                 read += len(piece)
                 buffer, position = buffer[position:] + piece, 0
                 while True:
@@ -362,79 +357,14 @@ class _Transfer:
         it completes; an instance, or the series, past the limits is refused while it arrives."""
         with self.get(path, None, 'multipart/related; type="application/dicom"') as response:
             content_type = response.headers.get("content-type", "")
-            boundary = _boundary(content_type)
+            boundary = multipart_boundary(content_type)
             chunks = self._chunks(response)
             if boundary is not None:
-                yield from _multipart(chunks, boundary, limits)
+                yield from multipart_bodies(chunks, boundary, limits)
             elif content_type.lower().startswith("application/dicom"):
-                yield _read_whole(chunks, limits.max_bytes)  # one instance, not wrapped (some servers do)
+                yield read_whole(chunks, limits.max_bytes)  # one instance, not wrapped (some servers do)
             else:
                 raise PacsError("The PACS did not answer as a DICOMweb server does.")
-
-
-def _instance_too_large(limits: ScanLimits) -> PacsError:
-    return PacsError(f"An instance of this series is larger than the {limits.max_bytes / 2**20:,.1f} MB upload "
-                     "limit; it was not downloaded further.")
-
-
-def _multipart(chunks: Iterator[bytes], boundary: bytes, limits: ScanLimits) -> Iterator[bytes]:
-    """The bodies of a multipart message's parts as each completes: each under limits.max_bytes, all
-    together under limits.max_total_bytes, at most limits.max_files of them."""
-    delimiter = b"\r\n--" + boundary
-    buffer = bytearray(b"\r\n")  # so that a delimiter at the very start of the body is found too
-    total, count, state, search_from = 0, 0, "preamble", 0
-    for chunk in chunks:
-        total += len(chunk)
-        if total > limits.max_total_bytes:
-            raise PacsError(f"This series is larger than the {limits.max_total_bytes / 2**20:,.0f} MB allowed for "
-                            "one study; it was not downloaded further.")
-        buffer += chunk
-        while True:
-            if state in ("preamble", "body"):
-                found = buffer.find(delimiter, search_from)
-                if found < 0:
-                    search_from = max(0, len(buffer) - len(delimiter))
-                    if state == "body" and search_from > limits.max_bytes:
-                        raise _instance_too_large(limits)
-                    if state == "preamble" and len(buffer) > _MAX_PART_HEADER:
-                        raise PacsError("The PACS did not answer as a DICOMweb server does.")
-                    break
-                if state == "body":
-                    if found > limits.max_bytes:
-                        raise _instance_too_large(limits)
-                    count += 1
-                    if count > limits.max_files:
-                        raise PacsError(f"This series has more than {limits.max_files:,} instances; at most that "
-                                        "many are opened at once.")
-                    yield bytes(buffer[:found])
-                del buffer[:found + len(delimiter)]
-                state, search_from = "delimiter", 0
-            if state == "delimiter":  # "--" closes the message; else the next part's headers follow
-                if len(buffer) < 2:
-                    break
-                if buffer[:2] == b"--":
-                    return
-                state = "headers"
-            if state == "headers":
-                end = buffer.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buffer) > _MAX_PART_HEADER:
-                        raise PacsError("The PACS did not answer as a DICOMweb server does.")
-                    break
-                del buffer[:end + 4]
-                state = "body"
-    if state in ("headers", "body"):
-        raise PacsError("The PACS answer was cut short.")
-
-
-def _read_whole(chunks: Iterator[bytes], max_bytes: int) -> bytes:
-    data = bytearray()
-    for chunk in chunks:
-        data += chunk
-        if len(data) > max_bytes:
-            raise PacsError(f"This instance is larger than the {max_bytes / 2**20:,.1f} MB upload limit; it was "
-                            "not downloaded further.")
-    return bytes(data)
 
 
 class _TrackingAdapter:
@@ -468,26 +398,6 @@ class _TrackingAdapter:
                 self.poolmanager.pool_classes_by_scheme = {"http": Pool, "https": TlsPool}
 
         return Adapter(max_retries=0)
-
-
-def _boundary(content_type: str) -> bytes | None:
-    media_type, *parameters = [part.strip() for part in content_type.split(";")]
-    if media_type.lower() != "multipart/related":
-        return None
-    for parameter in parameters:
-        name, _, value = parameter.partition("=")
-        if name.strip().lower() == "boundary" and value.strip().strip('"'):
-            return value.strip().strip('"').encode("latin-1", "replace")
-    return None
-
-
-def _utf8_chunks(chunks: Iterator[bytes]) -> Iterator[str]:
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    for chunk in chunks:
-        yield decoder.decode(chunk)
-    yield decoder.decode(b"", final=True)
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
