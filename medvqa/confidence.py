@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 YES_NO = "yes/no"
 CHOICE = "choice"
+# A yes/no question scored through the open question it presupposes (medvqa/presuppose.py): its margin
+# is the named value's score over the best other value's, fitted on its own.
+PRESUPPOSED = "presupposed"
+KINDS = (YES_NO, CHOICE, PRESUPPOSED)
 
 
 def question_kind(options) -> str:
@@ -112,9 +116,10 @@ class Calibration:
             return float(chosen["min_confidence"])
         return configured
 
-    def judge(self, scores: dict[str, float], min_confidence: float, abstain: bool = True) -> Verdict:
+    def judge(self, scores: dict[str, float], min_confidence: float, abstain: bool = True,
+              kind: str | None = None) -> Verdict:
         choice, margin = ranked(scores)
-        kind = question_kind(scores)
+        kind = kind or question_kind(scores)
         confidence = self.confidence(margin, kind)
         abstained = bool(abstain and confidence is not None and confidence < min_confidence)
         return Verdict(choice, margin, kind, confidence, abstained, self.held_out(confidence))

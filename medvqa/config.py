@@ -84,6 +84,11 @@ class DecoderConfig:
     # Answer closed questions by scoring the options they name (off: generate them as any question,
     # and their confidence is "not measured").
     constrained_closed: bool = True
+    # A yes/no question naming one value of an attribute ("Is this a CT?", "Does the picture contain
+    # the liver?") is scored through the open question it presupposes ("What modality ...?") over the
+    # attribute's values, and answered Yes when the value it names is the most likely
+    # (medvqa/presuppose.py). Off: Yes against No, as the reference decoders are scored.
+    presupposed_closed: bool = False
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -207,6 +212,8 @@ def _offline_profile(cache_dir: str) -> Settings:
                               # --holdout-percent 15 measured 68.9 % right at 0 (50.3 % Yes; shuffled
                               # image 61.5 %), 66.6 % at 0.2 (docs/encoder.md).
                               yes_bias=0.0,
+                              # Measured on the held-out SLAKE images (docs/encoder.md).
+                              presupposed_closed=True,
                               calibration=str(REPO_ROOT / "weights" / "offline" / "calibration.json")),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .answers import closed_candidates, normalise, surface_forms
-from .confidence import leaning_text, load_calibration
+from .confidence import PRESUPPOSED, YES_NO, leaning_text, load_calibration, question_kind
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -40,6 +40,7 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
+from .presuppose import Presupposition, presupposition
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
 
@@ -301,11 +302,22 @@ class Pipeline:
         confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
-            choice, scores = self._option_scores(request, candidates)
+            presupposed = self._presupposition(question, candidates)
+            if presupposed:
+                # Through the open question it presupposes: "Yes" when the value it names is the best.
+                open_prompt = self.prompts.build(presupposed.question, conversation.history, prompt_passages,
+                                                 self._prompt_window(conversation))
+                request = self._request(conversation.image, open_prompt, conversation.digest, conversation.id)
+                choice, scores = self._presupposed_scores(request, presupposed)
+            else:
+                choice, scores = self._option_scores(request, candidates)
             decoder = self.settings.decoder
             threshold = self.calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-            verdict = self.calibration.judge(scores, threshold, decoder.abstain)
+            verdict = self.calibration.judge(scores, threshold, decoder.abstain,
+                                             kind=PRESUPPOSED if presupposed else None)
             closed = {"options": scores, **verdict.record()}
+            if presupposed:
+                closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target}
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
         else:
@@ -332,8 +344,10 @@ class Pipeline:
         if closed is not None and self.settings.decoder.image_reliance:
             # Once the answer and its sources are out: whether its choice survives a neutral image.
             began = time.perf_counter()
-            neutral = self._request(BLANK_IMAGE, prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION, background=True)
-            closed.update(image_reliance(closed["options"], self._option_scores(neutral, candidates)[1]))
+            neutral = self._request(BLANK_IMAGE, request.prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION, background=True)
+            neutral_scores = (self._presupposed_scores(neutral, presupposed)[1] if presupposed
+                              else self._option_scores(neutral, candidates)[1])
+            closed.update(image_reliance(closed["options"], neutral_scores))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
         tracker.done(timings, len(answer_parts), closed)
@@ -419,6 +433,19 @@ class Pipeline:
             option = normalise(form)
             by_option[option] = max(score, by_option.get(option, float("-inf")))
         return forms[int(np.argmax(scores))], by_option
+
+    def _presupposition(self, question: str, candidates: list[str]) -> Presupposition | None:
+        if not self.settings.decoder.presupposed_closed or question_kind(candidates) != YES_NO:
+            return None
+        return presupposition(question)
+
+    def _presupposed_scores(self, request: EngineRequest, presupposed: Presupposition) -> tuple[str, dict[str, float]]:
+        """("Yes" or "No", {"yes": the named value's score, "no": the best other value's}) after the
+        open question in `request`: the margin between them is what the confidence is fitted on."""
+        values = self._option_scores(request, list(presupposed.options), yes_bias=0.0)[1]
+        named = values.pop(normalise(presupposed.target))
+        other = max(values.values())
+        return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
 
     def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:
         """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""

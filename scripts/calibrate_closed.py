@@ -6,7 +6,8 @@
 Takes the images `train_projector.py --val 400 --val-by-image` left out of training (same data, same
 seed: whole images the projector never saw), asks the app every closed question about them as a
 clinician would (constrained options, the profile's yes_bias; no abstention while fitting) and fits
-P(right | option margin) per kind of question (yes/no, "A or B"). Never run it on a validation or test
+P(right | option margin) per kind of question (yes/no, "A or B", and yes/no questions scored through the
+open question they presuppose, medvqa/presuppose.py). Never run it on a validation or test
 split. The fit is written to --out with where it came from; the scores are kept (--scores) so that
 --reuse refits without the model.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import Calibration, fit_platt, reliability
+from medvqa.confidence import KINDS, Calibration, fit_platt, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 THRESHOLDS = np.round(np.arange(50, 96) / 100, 2)  # the abstention thresholds the choice is made from
@@ -69,7 +70,7 @@ def score_held_out(args, settings) -> dict:
 def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibration:
     pooled = fit_platt(margin, correct)
     fits = {}
-    for name in ("yes/no", "choice"):
+    for name in KINDS:
         mine = kind == name
         fits[name] = fit_platt(margin[mine], correct[mine]) if mine.sum() >= MIN_PER_KIND else pooled
     return Calibration(fits)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
                       "holdout_percent": args.holdout_percent or None, "seed": args.seed,
                       "questions": int(len(correct)), "images": distinct_images(scores["image"].tolist()),
-                      "by_kind": {name: int((kind == name).sum()) for name in ("yes/no", "choice")}},
+                      "by_kind": {name: int((kind == name).sum()) for name in KINDS}},
         "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
         "yes_bias": settings.decoder.yes_bias,
         "reliability_in_sample": reliability(in_sample, correct),

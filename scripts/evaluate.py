@@ -100,7 +100,8 @@ def main() -> None:
     engine = engine_label(settings)
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the Yes bias).
-    closed = f"{CLOSED_DECODING}y{settings.decoder.yes_bias:g}"
+    # and whether yes/no questions naming a value are scored through the open question they presuppose.
+    closed = f"{CLOSED_DECODING}{'p' if settings.decoder.presupposed_closed else ''}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -184,7 +185,8 @@ def main() -> None:
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
-    summary["closed_decoding"] = {"options": CLOSED_DECODING, "yes_bias": settings.decoder.yes_bias}
+    summary["closed_decoding"] = {"options": CLOSED_DECODING, "yes_bias": settings.decoder.yes_bias,
+                                  "presupposed": settings.decoder.presupposed_closed}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:

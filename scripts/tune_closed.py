@@ -47,8 +47,13 @@ def score_held_out(args) -> dict[str, np.ndarray]:
         other = images[(k + len(held_out) // 2) % len(held_out)]
         real.append(pipeline.option_scores(images[k], prompt, FORMS))
         shuffled.append(pipeline.option_scores(other, prompt, FORMS))
+    from medvqa.presuppose import presupposition
+
     return {"real": np.asarray(real), "shuffled": np.asarray(shuffled),
             "answers": np.asarray([normalise(example.answer) for example in held_out]),
+            # Questions the app scores through the open question they presuppose when
+            # decoder.presupposed_closed is on: Yes and No are not compared there, so no bias applies.
+            "presupposed": np.asarray([presupposition(example.question) is not None for example in held_out]),
             "engine": np.asarray(engine_label(settings))}
 
 
@@ -85,6 +90,13 @@ def main() -> None:
         Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
         np.savez(args.scores, **saved)
     answers = saved["answers"]
+    if load_settings(args.profile).decoder.presupposed_closed and "presupposed" in saved:
+        # The bias only moves the questions still scored Yes against No: it is chosen on those.
+        kept = ~saved["presupposed"].astype(bool)
+        print(f"decoder.presupposed_closed: {int((~kept).sum())} of {len(answers)} questions are scored through "
+              "the open question they presuppose; the bias is chosen on the others")
+        saved = {**saved, "real": saved["real"][kept], "shuffled": saved["shuffled"][kept]}
+        answers = answers[kept]
     print(f"{len(answers)} held-out yes/no questions ({100 * np.mean(answers == 'yes'):.1f} % yes), "
           f"engine {saved['engine']}; accuracy real image (shuffled image), %")
     grid = [{"yes_bias": bias, "real": accuracy(saved["real"], answers, bias),

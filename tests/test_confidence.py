@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from medvqa.confidence import (CHOICE, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
+from medvqa.confidence import (CHOICE, PRESUPPOSED, YES_NO, Calibration, fit_platt, leaning_text, load_calibration,
                                question_kind, reliability)
 from .conftest import load_script, prompt_gate
 from medvqa.pipeline import Conversation, Done, Token
@@ -137,10 +137,15 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     assert script.main(["--profile", "tiny", "--data", f"jsonl:{data}:train", "--val", "2", "--val-by-image",
                         "--out", str(out), "--scores", str(tmp_path / "scores.npz")]) == 0
     saved = json.loads(out.read_text())
-    assert set(saved["fits"]) == {YES_NO, CHOICE}
+    # Every kind gets a fit; a kind with fewer than MIN_PER_KIND questions (none here) gets the pooled one.
+    assert set(saved["fits"]) == {YES_NO, CHOICE, PRESUPPOSED}
+    kept = np.load(tmp_path / "scores.npz")
+    pooled = fit_platt(kept["margin"].astype(float), kept["correct"].astype(bool))
+    assert saved["fits"][PRESUPPOSED] == pytest.approx({"a": pooled[0], "b": pooled[1]})
     fitted = saved["fitted_on"]
     assert fitted["val_by_image"] and fitted["images"] >= 2 and fitted["by_kind"] == {YES_NO: fitted["images"],
-                                                                                      CHOICE: fitted["images"]}
+                                                                                      CHOICE: fitted["images"],
+                                                                                      PRESUPPOSED: 0}
     assert saved["out_of_fold"]["min_confidence"] == tiny_settings.decoder.min_confidence
     assert saved["threshold"]["target_accuracy"] == 0.8 and isinstance(saved["threshold"]["met"], bool)
     assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0

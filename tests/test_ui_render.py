@@ -197,3 +197,19 @@ def test_a_closed_question_answered_in_free_text_says_its_confidence_is_not_meas
                          "stopped": False, "citations": [],
                          "closed": {"choice": answer.text, "abstained": False, "confidence": None, "scored": False}}]}
     assert "- Confidence: not measured" in export_markdown(record)
+
+
+def test_a_presupposed_reading_is_shown_with_the_answer():
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+
+    closed = {"options": {"yes": -0.4, "no": -1.2}, "choice": "yes", "margin": 0.8, "kind": "presupposed",
+              "confidence": 0.84, "abstained": False,
+              "presupposed": {"question": "What modality is used to take this image?", "target": "CT"}}
+    answer = _Answer("Is this a CT?", scan=None, passages=[], text="Yes", closed=dict(closed))
+    rendered = _render_answer(answer, final=True)
+    assert "Read as “What modality is used to take this image?”: CT is the model's most likely answer." in rendered
+    answer.closed = dict(closed, choice="no", options={"yes": -1.2, "no": -0.4})
+    assert "CT is not the model" in _render_answer(answer, final=True)
+    answer.closed = {key: value for key, value in closed.items() if key != "presupposed"}
+    assert "Read as" not in _render_answer(answer, final=True)

@@ -64,7 +64,7 @@ def _render_answer(answer: _Answer, final: bool) -> str:
     warning = _injection_html(answer.injection) + "\n\n" if answer.injection is not None else ""
     reliance = _reliance_html(answer.closed) + "\n\n" if answer.closed and answer.closed.get("flagged") else ""
     if answer.closed and "kind" in answer.closed:
-        confidence = _confidence_html(answer.closed) + "\n\n"
+        confidence = _presupposed_html(answer.closed) + _confidence_html(answer.closed) + "\n\n"
     else:  # a closed question answered in free text says its confidence was not measured
         note = answer.confidence_note
         confidence = f'<div class="medvqa-confidence">{html.escape(note)}</div>\n\n' if note else ""
@@ -88,6 +88,18 @@ def _confidence_html(closed: dict) -> str:
                 f'estimated right {share} of the time on images it was not trained on.</div>')
     return (f'<div class="medvqa-confidence">Confidence: {share} (how often answers with this margin were right '
             f'on held-out training images).</div>')
+
+
+def _presupposed_html(closed: dict) -> str:
+    """How a yes/no question was read when it was scored through the open question it presupposes
+    (medvqa/presuppose.py): the clinician sees what "Yes" means here."""
+    read = closed.get("presupposed")
+    if not read:
+        return ""
+    named = html.escape(read["target"])
+    verdict = "is" if closed.get("choice") == "yes" else "is not"
+    return (f'<div class="medvqa-presupposed">Read as “{html.escape(read["question"])}”: {named} {verdict} '
+            f'the model\'s most likely answer.</div>')
 
 
 def _reliance_html(closed: dict) -> str:
