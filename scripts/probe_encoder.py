@@ -9,7 +9,10 @@ yes/no questions (images no training step saw).
 The probe is the answer head trained with the encoder's medical stage (scripts/train_encoder.py): it
 reads the same 16 pooled tokens the projector gives the decoder, and answers Yes or No by its two
 logits. Both are scored with the question's own image and with another held-out question's image
-(the pairing tune_closed.py uses). Prints a table by data spec and a JSON line.
+(the pairing tune_closed.py uses). Prints a table by data spec and a JSON line; --by-kind splits
+SLAKE's rows by the attribute a question names (medvqa/presuppose.py); --coverage 0.8 also says how
+many questions the head would answer, and how many of those right, if it answered closed questions
+itself with a confidence calibrated out of fold as the app's is.
 """
 
 from __future__ import annotations
@@ -68,6 +71,28 @@ def probe_scores(examples, picked, encoder_path: str, heads_path: str) -> tuple[
     return scores[0], scores[1]
 
 
+def coverage(real: np.ndarray, truth: np.ndarray, images: list[str], source: np.ndarray, target: float) -> dict:
+    """What the probe would answer if it answered closed questions itself: its |Yes - No| margin
+    calibrated out of fold by image (calibrate_closed.py's folds and threshold rule), the threshold
+    chosen for `target` accuracy, and at it the share answered and their accuracy, by data spec."""
+    from calibrate_closed import choose_threshold, out_of_fold, summary_at
+
+    correct = (real > 0) == truth
+    scores = {"margin": np.abs(real), "kind": np.asarray(["yes/no"] * len(real)), "correct": correct,
+              "image": np.asarray(images)}
+    confidence = out_of_fold(scores)
+    chosen = choose_threshold(confidence, correct, target)
+    print(f"probe answering itself, out of fold: threshold {chosen['min_confidence']} for {target:.0%} right")
+    by_source = {}
+    if chosen["met"]:
+        for group in [*dict.fromkeys(source), "all"]:
+            mask = source == group if group != "all" else np.ones(len(source), bool)
+            by_source[group] = summary_at(confidence[mask], correct[mask], chosen["min_confidence"])
+            print(f"  {group}: answers {by_source[group]['answered']:.1%} of {mask.sum()}, "
+                  f"{by_source[group]['accuracy_answered']} right")
+    return {**chosen, "by_source": by_source}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
@@ -76,6 +101,12 @@ def main(argv=None) -> int:
     parser.add_argument("--encoder", default=None, help="encoder weights (default: the profile's)")
     parser.add_argument("--heads", default=str(REPO / "weights" / "offline" / "encoder_heads.safetensors"))
     parser.add_argument("--decoder-scores", default=None, help="tune_closed.py --scores file for the same questions")
+    parser.add_argument("--by-kind", action="store_true",
+                        help="split SLAKE's rows by the attribute a question names (medvqa/presuppose.py)")
+    parser.add_argument("--coverage", type=float, default=None, metavar="TARGET",
+                        help="also calibrate the probe's margin out of fold (5 folds by image, as calibrate_closed.py "
+                             "does for the decoder) and print the share of questions it would answer at TARGET "
+                             "accuracy (e.g. 0.8), by data spec")
     args = parser.parse_args(argv)
 
     settings = load_settings(args.profile)
@@ -88,6 +119,11 @@ def main(argv=None) -> int:
     picked = held_out_split(examples, 0, False, 0, args.holdout_percent)[0]
     truth = np.asarray([normalise(examples[i].answer) == "yes" for i in picked])
     source = np.asarray([spec_of[i] for i in picked])
+    if args.by_kind:  # SLAKE's yes/no questions that name one value, by attribute (medvqa/presuppose.py)
+        from medvqa.presuppose import presupposition
+
+        kinds = [getattr(presupposition(examples[i].question), "kind", "other") for i in picked]
+        source = np.asarray([f"{spec} {kind}" if spec == "slake" else spec for spec, kind in zip(source, kinds)])
     real, shuffled = probe_scores(examples, picked, encoder_path, args.heads)
     rows = {"probe_real": (real > 0) == truth, "probe_shuffled": (shuffled > 0) == truth}
     if args.decoder_scores:
@@ -111,7 +147,10 @@ def main(argv=None) -> int:
         figures = {name: round(100 * float(rows[name][mask].mean()), 1) for name in names}
         table[group] = {"n": int(mask.sum()), "yes": round(100 * float(truth[mask].mean()), 1), **figures}
         print(f"| {group} | {mask.sum()} | {table[group]['yes']} | " + " | ".join(str(figures[n]) for n in names) + " |")
-    print(json.dumps({"holdout_percent": args.holdout_percent, "encoder": str(encoder_path), "table": table}))
+    result = {"holdout_percent": args.holdout_percent, "encoder": str(encoder_path), "table": table}
+    if args.coverage is not None:
+        result["coverage"] = coverage(real, truth, [str(examples[i].image) for i in picked], source, args.coverage)
+    print(json.dumps(result))
     return 0
 
 

