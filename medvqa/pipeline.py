@@ -457,6 +457,13 @@ class Pipeline:
                constrained: bool | None = None, window: str = "",
                max_new_tokens: int | None = None) -> tuple[str, list]:
         """One-shot answer to a single question (evaluation); returns (answer, passages retrieved)."""
+        done = self.answer_done(image, question, use_retrieval=use_retrieval, constrained=constrained,
+                                window=window, max_new_tokens=max_new_tokens)
+        return done.answer, done.passages
+
+    def answer_done(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
+                    constrained: bool | None = None, window: str = "", max_new_tokens: int | None = None) -> "Done":
+        """As answer(), the whole Done: with a closed answer's verdict (confidence, kind) in `closed`."""
         conversation = Conversation(image=image, window=window)
         done = None
         for event in self.ask(conversation, question, use_retrieval=use_retrieval, constrained=constrained,
@@ -466,4 +473,4 @@ class Pipeline:
         # The next call is often about the same image (the evaluation goes image by image): llama.cpp's
         # slots keep its keys/values for it, bounded by the slot count.
         self.end_conversation(conversation, keep_image=True)
-        return done.answer, done.passages
+        return done

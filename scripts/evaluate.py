@@ -90,7 +90,8 @@ def main() -> None:
     if args.engine:
         settings.decoder.engine = args.engine
     # Accuracy is that of the option the model picks, at full coverage: an "Uncertain" answer would
-    # hide it. How often the app abstains, and accuracy against coverage: scripts/evaluate_grounding.py.
+    # hide it. How often the app would abstain is printed after (each closed answer's confidence is
+    # kept); accuracy against coverage: scripts/evaluate_grounding.py.
     settings.decoder.abstain = False
     torch.manual_seed(settings.seed)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
@@ -119,9 +120,11 @@ def main() -> None:
             images[path] = read_image(path)
         return images[path]
 
+    main = "retrieval" if "retrieval" in args.conditions else args.conditions[0]
     with results_path.open("a") as out:
         for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
-            if example.qid in done and all(c in done[example.qid] for c in args.conditions):
+            if example.qid in done and all(c in done[example.qid] for c in args.conditions) and (
+                    example.answer_type != "CLOSED" or "confidence" in done[example.qid]):
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}
@@ -135,10 +138,14 @@ def main() -> None:
                     continue
                 picture = {"shuffled_image": lambda: image(shuffled[example.image]),
                            "blank_image": lambda: BLANK_IMAGE}.get(condition, lambda: image(example.image))()
-                answer, passages = pipeline.answer(picture, example.question,
-                                                   use_retrieval=condition == "retrieval", constrained=True,
-                                                   max_new_tokens=args.max_new_tokens)
+                answered = pipeline.answer_done(picture, example.question, use_retrieval=condition == "retrieval",
+                                                constrained=True, max_new_tokens=args.max_new_tokens)
+                answer, passages = answered.answer, answered.passages
                 row[condition] = answer
+                if condition == main and answered.closed is not None:
+                    # The calibrated confidence the app would show (abstention is off while measuring).
+                    row["confidence"] = answered.closed.get("confidence")
+                    row["closed_kind"] = answered.closed.get("kind")
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
@@ -150,7 +157,7 @@ def main() -> None:
             out.flush()
 
     rows = [done[e.qid] for e in examples]
-    main_condition = "retrieval" if "retrieval" in args.conditions else args.conditions[0]
+    main_condition = main
     summary = {"dataset": args.dataset, "split": args.split, "main_condition": main_condition, "n": len(rows),
                "n_closed": sum(r["answer_type"] == "CLOSED" for r in rows),
                "n_open": sum(r["answer_type"] != "CLOSED" for r in rows), **score(rows, main_condition)}
@@ -182,6 +189,15 @@ def main() -> None:
         summary["retrieval_flips"] = {
             "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
             "wrong_to_right": sum(not correct(r, "no_retrieval") and correct(r, "retrieval") for r in rows)}
+    scored = [r for r in closed_rows if r.get("confidence") is not None]
+    if scored and len(scored) == len(closed_rows):
+        # What the app does with these answers: below the calibrated threshold it says "Uncertain".
+        threshold = pipeline.calibration.min_confidence(settings.decoder.min_confidence,
+                                                        settings.decoder.threshold_from_calibration)
+        kept = [r for r in scored if r["confidence"] >= threshold]
+        summary["abstention"] = {
+            "threshold": threshold, "answered": round(len(kept) / len(scored), 4),
+            "accuracy_answered": round(score(kept, main_condition)["closed_accuracy"], 4) if kept else None}
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
@@ -252,6 +268,11 @@ def _print_table(summary: dict) -> None:
                   + (f", shuffled image {pct(s['shuffled_image'])} %" if "shuffled_image" in s else "")
                   + (f"; answered Yes {pct(s['answered_yes'])} % (references {pct(s['reference_yes'])} %)"
                      if "answered_yes" in s else ""))
+    if "abstention" in summary:
+        held = summary["abstention"]
+        right = "" if held["accuracy_answered"] is None else f", {pct(held['accuracy_answered'])} % of them right"
+        print(f"\nat the calibrated threshold {held['threshold']:g} the app answers {pct(held['answered'])} % of the "
+              f"closed questions{right}; it says \"Uncertain\" to the rest")
     if "retrieval_flips" in summary:
         flips = summary["retrieval_flips"]
         print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")

@@ -42,6 +42,19 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     # A second run resumes from the per-question file instead of answering again.
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
+    assert "abstention" not in summary  # no calibration: no confidence, nothing to abstain on
+    # With a calibration, each closed answer's confidence is kept and the app's abstention reported.
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"fits": {kind: {"a": 0.0, "b": 0.0} for kind in ("yes/no", "choice")},
+                                       "threshold": {"met": True, "min_confidence": 0.4}}))
+    command[command.index("--run-dir") + 1] = str(tmp_path / "runs-calibrated")
+    calibrated = subprocess.run(command, cwd=REPO, env=dict(env, MEDVQA_DECODER__CALIBRATION=str(calibration)),
+                                capture_output=True, text=True, timeout=600)
+    assert calibrated.returncode == 0, calibrated.stderr[-2000:]
+    held = json.loads(calibrated.stdout.strip().splitlines()[-1])["abstention"]
+    # Every confidence is sigmoid(0) = 0.5, above the file's threshold 0.4: all answered.
+    assert held == {"threshold": 0.4, "answered": 1.0, "accuracy_answered": round(summary["closed_accuracy"], 4)}
+    assert "the app answers 100.0 % of the closed questions" in calibrated.stdout
 
 
 def test_results_are_named_by_the_weights_llama_cpp_runs():
