@@ -142,10 +142,11 @@ def main() -> None:
                                                 constrained=True, max_new_tokens=args.max_new_tokens)
                 answer, passages = answered.answer, answered.passages
                 row[condition] = answer
-                if condition == main and answered.closed is not None:
-                    # The calibrated confidence the app would show (abstention is off while measuring).
-                    row["confidence"] = answered.closed.get("confidence")
-                    row["closed_kind"] = answered.closed.get("kind")
+                if condition == main and example.answer_type == "CLOSED":
+                    # The calibrated confidence the app would show (abstention is off while measuring);
+                    # None for a closed question answered in free text, which the app never withholds.
+                    row["confidence"] = (answered.closed or {}).get("confidence")
+                    row["closed_kind"] = (answered.closed or {}).get("kind")
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
@@ -189,15 +190,17 @@ def main() -> None:
         summary["retrieval_flips"] = {
             "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
             "wrong_to_right": sum(not correct(r, "no_retrieval") and correct(r, "retrieval") for r in rows)}
-    scored = [r for r in closed_rows if r.get("confidence") is not None]
-    if scored and len(scored) == len(closed_rows):
-        # What the app does with these answers: below the calibrated threshold it says "Uncertain".
+    if (closed_rows and all("confidence" in r for r in closed_rows)
+            and any(r["confidence"] is not None for r in closed_rows)):
+        # What the app does with these answers: below the calibrated threshold it says "Uncertain"
+        # (an answer without a confidence, a closed question answered in free text, is given).
         threshold = pipeline.calibration.min_confidence(settings.decoder.min_confidence,
                                                         settings.decoder.threshold_from_calibration)
-        kept = [r for r in scored if r["confidence"] >= threshold]
+        kept = [r for r in closed_rows if r["confidence"] is None or r["confidence"] >= threshold]
         summary["abstention"] = {
-            "threshold": threshold, "answered": round(len(kept) / len(scored), 4),
-            "accuracy_answered": round(score(kept, main_condition)["closed_accuracy"], 4) if kept else None}
+            "threshold": threshold, "answered": round(len(kept) / len(closed_rows), 4),
+            "accuracy_answered": round(score(kept, main_condition)["closed_accuracy"], 4) if kept else None,
+            "unscored": sum(r["confidence"] is None for r in closed_rows)}
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile

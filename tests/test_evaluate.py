@@ -53,7 +53,8 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     assert calibrated.returncode == 0, calibrated.stderr[-2000:]
     held = json.loads(calibrated.stdout.strip().splitlines()[-1])["abstention"]
     # Every confidence is sigmoid(0) = 0.5, above the file's threshold 0.4: all answered.
-    assert held == {"threshold": 0.4, "answered": 1.0, "accuracy_answered": round(summary["closed_accuracy"], 4)}
+    assert held == {"threshold": 0.4, "answered": 1.0, "accuracy_answered": round(summary["closed_accuracy"], 4),
+                    "unscored": 0}
     assert "the app answers 100.0 % of the closed questions" in calibrated.stdout
 
 
