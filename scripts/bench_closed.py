@@ -1,0 +1,75 @@
+"""Time to a closed answer on this machine, with yes/no questions that name a value scored Yes against
+No and through the open question they presuppose (decoder.presupposed_closed).
+
+    python scripts/bench_closed.py [--profile offline] [--runs 3] [--json]
+
+Each question is asked in a fresh conversation about one VQA-RAD image (one pixel changed each
+time, so the image is encoded and the prompt prefilled, as for a first question); the figure is the median over --runs
+of the time from asking to the answer (the pipeline's `ttft_s`: a closed answer comes in one
+piece), and of the whole turn with the image-reliance check (`total_s`). Retrieval is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from medvqa.config import PROFILES, load_settings  # noqa: E402
+from medvqa.presuppose import presupposition  # noqa: E402
+
+QUESTIONS = ["Does the picture contain the liver?", "Is this a CT?", "Is this a study of the chest?",
+             "Is this a transverse plane?", "Is there a pleural effusion?"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--image", default=str(REPO.parent / "shared" / "data" / "vqa_rad" / "images" / "synpic42202.jpg"),
+                        help="the scan asked about (a grey square when the file is absent)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+
+    from medvqa.datasets import read_image
+    from medvqa.pipeline import Conversation, Done, Pipeline
+
+    settings = load_settings(args.profile)
+    settings.retrieval.enabled = False
+    pipeline = Pipeline.load(settings, with_retrieval=False)
+    image = read_image(args.image) if Path(args.image).is_file() else np.full((512, 512, 3), 90, np.uint8)
+    results = {}
+    for presupposed in (False, True):
+        settings.decoder.presupposed_closed = presupposed
+        for question in QUESTIONS:
+            answer_s, turn_s = [], []
+            for run in range(args.runs + 1):  # the first run warms the caches and is not counted
+                picture = image.copy()
+                picture.flat[run] ^= 1 + len(results)  # other pixels each time: no cache holds this image
+                conversation = Conversation(image=picture)
+                done = [e for e in pipeline.ask(conversation, question, use_retrieval=False, warm=False)
+                        if isinstance(e, Done)][-1]
+                pipeline.end_conversation(conversation)
+                if run:
+                    answer_s.append(done.timings["ttft_s"])
+                    turn_s.append(done.timings["total_s"])
+            key = f"{'presupposed' if presupposed else 'yes_no'}: {question}"
+            results[key] = {"read": bool(presupposed and presupposition(question)),
+                            "answer_s": round(statistics.median(answer_s), 4),
+                            "turn_s": round(statistics.median(turn_s), 4)}
+            print(f"{key:60s} answer {results[key]['answer_s']:.3f} s, turn with image check "
+                  f"{results[key]['turn_s']:.3f} s" + ("" if results[key]["read"] or not presupposed else " (not read)"))
+    if args.json:
+        print(json.dumps({"profile": args.profile, "runs": args.runs, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
