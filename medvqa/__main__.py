@@ -140,6 +140,7 @@ def _ask(args) -> int:
     from .config import load_settings
     from .imaging import ScanError, open_study, parse_window
     from .injection import check_answer
+    from .presuppose import reading_text
     from .pipeline import Done, Pipeline, Sources, Token
     from .safe_text import inert, safe_url, visible
 
@@ -164,6 +165,8 @@ def _ask(args) -> int:
                     print(f"WARNING: {finding.warning}")
                 if event.confidence_note:
                     print(f"({event.confidence_note})")
+                if reading_text(event.closed):
+                    print(f"({reading_text(event.closed)})")
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):

@@ -99,3 +99,13 @@ def presupposition(question: str) -> Presupposition | None:
     if match and not _WEIGHTING.search(text) and (modality := _value(match["x"], MODALITIES)):
         return Presupposition("modality", MODALITY_QUESTION, tuple(MODALITIES), modality)
     return None
+
+
+def reading_text(closed: dict | None) -> str:
+    """What "Yes" meant for an answer scored through a presupposed open question (the pipeline's
+    `closed` record), in a clinician's words; "" for any other answer."""
+    read = (closed or {}).get("presupposed")
+    if not read:
+        return ""
+    verdict = "is" if closed.get("choice") == "yes" else "is not"
+    return f"Read as “{read['question']}”: {read['target']} {verdict} the model's most likely answer."

@@ -128,3 +128,13 @@ def test_questions_it_does_not_read_stay_yes_against_no(presupposing):
 def test_profiles():
     assert load_settings("offline").decoder.presupposed_closed is True
     assert load_settings("llava-med").decoder.presupposed_closed is False
+
+
+def test_the_reading_in_words():
+    from medvqa.presuppose import reading_text
+
+    closed = {"choice": "no", "presupposed": {"question": ORGAN_QUESTION, "target": "Liver"}}
+    assert reading_text(closed) == ("Read as “What is the main organ in the image?”: Liver is not the model's most "
+                                    "likely answer.")
+    assert reading_text(dict(closed, choice="yes")).endswith("Liver is the model's most likely answer.")
+    assert reading_text({"choice": "yes"}) == "" and reading_text(None) == ""

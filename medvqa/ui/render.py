@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..confidence import held_out_text
+from ..presuppose import reading_text
 from ..safe_text import inert, safe_url, visible
 
 if TYPE_CHECKING:
@@ -93,13 +94,8 @@ def _confidence_html(closed: dict) -> str:
 def _presupposed_html(closed: dict) -> str:
     """How a yes/no question was read when it was scored through the open question it presupposes
     (medvqa/presuppose.py): the clinician sees what "Yes" means here."""
-    read = closed.get("presupposed")
-    if not read:
-        return ""
-    named = html.escape(read["target"])
-    verdict = "is" if closed.get("choice") == "yes" else "is not"
-    return (f'<div class="medvqa-presupposed">Read as “{html.escape(read["question"])}”: {named} {verdict} '
-            f'the model\'s most likely answer.</div>')
+    text = reading_text(closed)
+    return f'<div class="medvqa-presupposed">{html.escape(text, quote=False)}</div>' if text else ""
 
 
 def _reliance_html(closed: dict) -> str:
