@@ -213,3 +213,17 @@ def test_a_presupposed_reading_is_shown_with_the_answer():
     assert "CT is not the model" in _render_answer(answer, final=True)
     answer.closed = {key: value for key, value in closed.items() if key != "presupposed"}
     assert "Read as" not in _render_answer(answer, final=True)
+
+
+def test_the_presupposed_reading_goes_into_the_transcript():
+    from medvqa.ui.transcript import export_markdown
+
+    record = {"notice": "n", "exported_at": "t", "profile": "offline", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": "Is this a CT?", "answer": "Yes", "window": "w", "frame": 1, "stopped": False,
+                         "citations": [],
+                         "closed": {"choice": "yes", "abstained": False, "confidence": 0.8,
+                                    "reading": "Read as “What modality is used to take this image?”: CT is the "
+                                               "model's most likely answer."}}]}
+    markdown = export_markdown(record)
+    assert "- Read as “What modality is used to take this image?”: CT is the model" in markdown
+    assert markdown.index("- Read as") < markdown.index("- Confidence: 80 %")

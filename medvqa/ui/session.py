@@ -18,6 +18,7 @@ import gradio as gr
 
 from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
+from ..presuppose import reading_text
 from ..pipeline import Conversation, Pipeline
 from ..safe_text import visible
 from .transcript import _citation
@@ -163,7 +164,8 @@ class _Answer:
                               for n, (p, mark) in enumerate(zip(self.passages, self._marks()), start=1)],
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
                                "confidence": self.closed["confidence"],
-                               **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {})}}
+                               **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {}),
+                               **({"reading": reading_text(self.closed)} if reading_text(self.closed) else {})}}
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
                    if self.confidence_note else {}),

@@ -80,6 +80,8 @@ def export_markdown(record: dict) -> str:
                           "; the same answer without the image")
                          if turn.get("image_reliance", {}).get("flagged") else ""),
                       ""]
+            if turn["closed"].get("reading"):
+                lines[-2:-2] = [f"- {_escape_model_text(turn['closed']['reading'])}"]  # before the confidence
         if turn.get("injection"):
             lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
         if turn["citations"]:
