@@ -165,8 +165,8 @@ def _ask(args) -> int:
                     print(f"WARNING: {finding.warning}")
                 if event.confidence_note:
                     print(f"({event.confidence_note})")
-                if reading_text(event.closed):
-                    print(f"({reading_text(event.closed)})")
+                if reading := reading_text(event.closed):
+                    print(f"({reading})")
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):

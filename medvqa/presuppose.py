@@ -2,8 +2,7 @@
 
 "Is this a CT?" presupposes "What modality is used to take this image?"; "Does the picture contain the
 liver?" presupposes "What is the main organ in the image?". The offline decoder reads the image better
-when it names a value than when it weighs Yes against No (docs/encoder.md, "Closed questions through the
-open answer they presuppose"), so with `decoder.presupposed_closed` the pipeline scores the attribute's
+when it names a value than when it weighs Yes against No (docs/encoder.md, "Where the answer is lost"), so with `decoder.presupposed_closed` the pipeline scores the attribute's
 values after the open question, with the same image, and answers Yes when the value the question names
 is the decoder's most likely one:
 

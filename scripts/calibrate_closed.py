@@ -42,15 +42,11 @@ MIN_ANSWERED = 20  # a threshold answering fewer questions than this measures no
 def score_held_out(args, settings) -> dict:
     from tqdm import tqdm
 
-    from medvqa.answers import closed_candidates, closed_correct
-    from medvqa.datasets import load_specs, read_image
+    from medvqa.answers import closed_correct
+    from medvqa.datasets import read_image
     from medvqa.pipeline import Conversation, Done, Pipeline
-    from medvqa_train.data import held_out_split
 
-    examples = load_specs(args.data)
-    left_out = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[1]
-    closed = [examples[i] for i in left_out
-              if examples[i].answer_type == "CLOSED" and closed_candidates(examples[i].question)]
+    closed = [example for _, example in held_out_closed(args)]
     settings.decoder.abstain = False
     settings.decoder.image_reliance = False
     pipeline = Pipeline.load(settings, with_retrieval=False)
@@ -65,6 +61,44 @@ def score_held_out(args, settings) -> dict:
         rows["correct"].append(bool(closed_correct(done.closed["choice"], example.answer)))
         rows["image"].append(str(example.image))
     return {key: np.asarray(value) for key, value in rows.items()}
+
+
+def held_out_closed(args) -> list[tuple[str, object]]:
+    """(data spec name, example) of every closed question about the held-out images, in scoring order."""
+    from medvqa.answers import closed_candidates
+    from medvqa.datasets import load_specs
+    from medvqa_train.data import held_out_split
+
+    examples, spec_of = [], []
+    for spec in args.data:
+        from_spec = load_specs([spec])
+        examples += from_spec
+        spec_of += [spec.split(":")[0]] * len(from_spec)
+    left_out = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[1]
+    return [(spec_of[i], examples[i]) for i in left_out
+            if examples[i].answer_type == "CLOSED" and closed_candidates(examples[i].question)]
+
+
+def accuracy_by_kind(args, scores: dict) -> dict:
+    """The app's accuracy on the held-out closed questions by kind, and for those scored through a
+    presupposed open question by data spec and attribute (medvqa/presuppose.py)."""
+    from medvqa.presuppose import presupposition
+
+    kind, correct = scores["kind"], scores["correct"].astype(bool)
+    groups = {name: kind == name for name in KINDS}
+    groups["yes/no, either way"] = (kind == "yes/no") | (kind == "presupposed")
+    questions = held_out_closed(args)
+    if len(questions) == len(kind):  # the same questions (the data and hold-out the scores were made with)
+        for k, (spec, example) in enumerate(questions):
+            if kind[k] == "presupposed":
+                name = f"presupposed, {spec} {presupposition(example.question).kind}"
+                groups.setdefault(name, np.zeros(len(kind), bool))[k] = True
+    table = {name: {"n": int(mask.sum()), "accuracy": round(float(correct[mask].mean()), 4)}
+             for name, mask in groups.items() if mask.any()}
+    for name, mask in groups.items():
+        if mask.any():
+            print(f"  {name}: {mask.sum()} questions, {100 * correct[mask].mean():.1f} % right", file=sys.stderr)
+    return table
 
 
 def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibration:
@@ -191,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no threshold up to {THRESHOLDS[-1]} reaches an out-of-fold accuracy of {args.target_accuracy} on "
               f"{MIN_ANSWERED} or more answered questions: the app keeps decoder.min_confidence ({configured})",
               file=sys.stderr)
+    by_kind = accuracy_by_kind(args, scores)
     summary = {key: value for key, value in calibration.meta["out_of_fold"].items() if key != "risk_coverage"}
     print(json.dumps({"fits": {k: {"a": round(a, 4), "b": round(b, 4)} for k, (a, b) in calibration.fits.items()},
-                      "out_of_fold": summary, "threshold": calibration.meta["threshold"]}))
+                      "out_of_fold": summary, "threshold": calibration.meta["threshold"], "accuracy_by_kind": by_kind}))
     return 0
 
 

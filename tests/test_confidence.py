@@ -116,7 +116,7 @@ def test_the_pipeline_says_uncertain_below_the_threshold_and_answers_above(tiny_
         tiny_pipeline.calibration, tiny_pipeline.settings.decoder.abstain, tiny_pipeline.retriever = saved
 
 
-def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settings, monkeypatch):
+def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settings, monkeypatch, capsys):
     """The script end to end on a tiny training split laid out like the public ones (tiny profile)."""
     from PIL import Image
 
@@ -148,6 +148,12 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
                                                                                       PRESUPPOSED: 0}
     assert saved["out_of_fold"]["min_confidence"] == tiny_settings.decoder.min_confidence
     assert saved["threshold"]["target_accuracy"] == 0.8 and isinstance(saved["threshold"]["met"], bool)
+    # The app's accuracy by kind is printed with the fit, matching the saved scores.
+    by_kind = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy_by_kind"]
+    kept = np.load(tmp_path / "scores.npz")
+    assert by_kind[YES_NO]["n"] == int((kept["kind"] == YES_NO).sum()) == fitted["images"]
+    assert by_kind[YES_NO]["accuracy"] == round(float(kept["correct"][kept["kind"] == YES_NO].mean()), 4)
+    assert PRESUPPOSED not in by_kind  # the tiny profile scores Yes against No
     assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0
     assert load_calibration(str(out)).fits  # the app reads what the script wrote
     # --reuse refits from the saved scores without the model.

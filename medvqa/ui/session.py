@@ -165,7 +165,7 @@ class _Answer:
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
                                "confidence": self.closed["confidence"],
                                **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {}),
-                               **({"reading": reading_text(self.closed)} if reading_text(self.closed) else {})}}
+                               **({"reading": reading} if (reading := reading_text(self.closed)) else {})}}
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
                    if self.confidence_note else {}),
