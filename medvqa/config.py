@@ -89,6 +89,9 @@ class DecoderConfig:
     # attribute's values, and answered Yes when the value it names is the most likely
     # (medvqa/presuppose.py). Off: Yes against No, as the reference decoders are scored.
     presupposed_closed: bool = False
+    # Which of those attributes are read that way ("modality", "plane", "region", "organ"); a question
+    # about another one is scored Yes against No.
+    presupposed_kinds: list[str] = field(default_factory=lambda: ["modality", "plane", "region", "organ"])
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True

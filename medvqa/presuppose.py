@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .answers import normalise
 
+KINDS = ("modality", "plane", "region", "organ")  # the attributes read (decoder.presupposed_kinds)
 MODALITY_QUESTION = "What modality is used to take this image?"
 PLANE_QUESTION = "Which plane is the image scanned?"
 REGION_QUESTION = "Which part of the body does this image belong to?"

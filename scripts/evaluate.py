@@ -31,6 +31,7 @@ from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
 from medvqa.model import BLANK_IMAGE
 from medvqa.pipeline import Pipeline
+from medvqa.presuppose import KINDS as PRESUPPOSED_KINDS
 
 CONDITIONS = ("retrieval", "no_retrieval", "shuffled_image", "blank_image")
 
@@ -102,7 +103,11 @@ def main() -> None:
     gate = settings.retrieval.prompt_gate  # answers with retrieval depend on it: part of the run's name
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the Yes bias).
     # and whether yes/no questions naming a value are scored through the open question they presuppose.
-    closed = f"{CLOSED_DECODING}{'p' if settings.decoder.presupposed_closed else ''}y{settings.decoder.yes_bias:g}"
+    presupposed = ""
+    if settings.decoder.presupposed_closed:
+        kinds = settings.decoder.presupposed_kinds
+        presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p" + "".join(sorted(kind[0] for kind in kinds))
+    closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -205,7 +210,8 @@ def main() -> None:
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
     summary["closed_decoding"] = {"options": CLOSED_DECODING, "yes_bias": settings.decoder.yes_bias,
-                                  "presupposed": settings.decoder.presupposed_closed}
+                                  "presupposed": settings.decoder.presupposed_closed,
+                                  "presupposed_kinds": settings.decoder.presupposed_kinds}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:

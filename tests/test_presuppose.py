@@ -125,6 +125,24 @@ def test_questions_it_does_not_read_stay_yes_against_no(presupposing):
     assert done.answer == "No" and done.closed["kind"] == YES_NO
 
 
+def test_a_kind_left_out_is_yes_against_no(presupposing):
+    kinds = presupposing.settings.decoder.presupposed_kinds
+    presupposing.settings.decoder.presupposed_kinds = ["plane", "region", "organ"]
+    try:
+        seen = _scored(presupposing, "Yes")
+        _, done = _ask(presupposing, "Is this a CT?")
+    finally:
+        presupposing.settings.decoder.presupposed_kinds = kinds
+    assert done.answer == "Yes" and done.closed["kind"] == YES_NO and "presupposed" not in done.closed
+    assert "Is this a CT?" in seen[0][2]
+
+
+def test_kinds_from_the_environment():
+    settings = load_settings("offline", env={"MEDVQA_DECODER__PRESUPPOSED_KINDS": "modality:plane:region"})
+    assert settings.decoder.presupposed_kinds == ["modality", "plane", "region"]
+    assert load_settings("offline").decoder.presupposed_kinds == ["modality", "plane", "region", "organ"]
+
+
 def test_profiles():
     assert load_settings("offline").decoder.presupposed_closed is True
     assert load_settings("llava-med").decoder.presupposed_closed is False

@@ -1,0 +1,98 @@
+"""Organ-presence questions for the projector, from SLAKE's training annotations.
+
+SLAKE asks "Does the picture contain liver?" about few organs per image (702 such questions over its
+450 training images). The encoder's medical stage learnt organ presence from the organ boxes
+(`detection.json`), but the frozen decoder, asked Yes against No, does not pass it on
+(docs/encoder.md, "Where the answer is lost"). These questions give the projector's Yes/No loss
+the same facts in SLAKE's own phrasing, for every training image:
+
+- an organ is **present** when the image's `detection.json` has a box naming it, when one of the
+  image's training questions asks about it and is answered Yes, or when a training answer about the
+  image names it ("What is the largest organ in the picture?" — "Lung");
+- an organ is **absent** when a training question about the image is answered No, or when no
+  training image of the same body location (SLAKE's `location`) ever shows it (no liver in a head
+  scan);
+- any other organ is unknown and asked about nowhere (a chest CT's heart without a box may be there).
+
+Only training images are read; the projector script's hold-out (by image content hash) removes the
+held-out images' questions as it removes their other ones.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+
+from medvqa.answers import normalise
+from medvqa.presuppose import ORGAN_SPELLINGS, ORGANS, presupposition
+
+# SLAKE's phrasing ("Does the picture contain liver?" is most of its 702 questions), organ in lower case.
+TEMPLATES = ("Does the picture contain {organ}?", "Does this image contain {organ}?")
+
+
+def organs_named(text: str) -> set[str]:
+    """The ORGANS a box label or an answer names ("Right Lung" → Lung, "Liver, Kidney" → both)."""
+    found = set()
+    for part in text.replace("/", ",").replace(" and ", ",").split(","):
+        words = normalise(part)
+        words = ORGAN_SPELLINGS.get(words, words)
+        for organ in ORGANS:
+            name = normalise(organ)
+            if words == name or words.endswith(" " + name) or words.rstrip("s") == name:
+                found.add(organ)
+    # "brain edema", "brain enhancing tumor": a lesion of the brain shows the brain
+    if normalise(text).startswith("brain ") and "Brain Stem" not in found:
+        found.add("Brain")
+    return found
+
+
+def organ_labels(slake: Path, annotations: Path | None) -> dict[str, dict]:
+    """Per training image (its path relative to `slake/imgs`): location and organs present / absent."""
+    rows = [row for row in json.loads((slake / "train.json").read_text()) if row.get("q_lang", "en") == "en"]
+    images: dict[str, dict] = {}
+    for row in rows:
+        image = images.setdefault(row["img_name"], {"location": row.get("location", ""), "present": set(),
+                                                     "absent": set()})
+        answer = str(row["answer"]).strip()
+        asked = presupposition(row["question"])
+        if asked is not None and asked.kind == "organ":
+            if normalise(answer) == "yes":
+                image["present"].add(asked.target)
+            elif normalise(answer) == "no":
+                image["absent"].add(asked.target)
+        elif row["answer_type"].strip().upper() == "OPEN" and "organ" in row["question"].lower():
+            image["present"] |= organs_named(answer)
+    if annotations is not None:
+        for name, image in images.items():
+            detection = annotations / Path(name).parent / "detection.json"
+            if detection.is_file():
+                for entry in json.loads(detection.read_text() or "[]"):
+                    for label in entry:
+                        image["present"] |= organs_named(label)
+    for image in images.values():  # an explicit No on this image outweighs a box label read as the organ
+        image["present"] -= image["absent"]
+    seen_at: dict[str, set[str]] = defaultdict(set)
+    for image in images.values():
+        seen_at[image["location"]] |= image["present"]
+    for image in images.values():
+        image["absent"] |= {organ for organ in ORGANS if organ not in seen_at[image["location"]]}
+        image["absent"] -= image["present"]
+    return images
+
+
+def organ_questions(slake: Path, annotations: Path | None, per_image: int = 3, seed: int = 0) -> list[dict]:
+    """Up to `per_image` present and as many absent organs per image, as JSONL rows (`image` absolute)."""
+    rng = random.Random(seed)
+    rows = []
+    for name, image in sorted(organ_labels(slake, annotations).items()):
+        present, absent = sorted(image["present"]), sorted(image["absent"])
+        rng.shuffle(present)
+        rng.shuffle(absent)
+        count = min(per_image, len(present), len(absent))
+        for organ, answer in [(o, "Yes") for o in present[:count]] + [(o, "No") for o in absent[:count]]:
+            question = rng.choice(TEMPLATES).format(organ=organ.lower())
+            rows.append({"qid": f"slake-organ-{len(rows)}", "image": str((slake / "imgs" / name).resolve()),
+                         "question": question, "answer": answer, "answer_type": "CLOSED"})
+    return rows
