@@ -57,6 +57,28 @@ def score_held_out(args) -> dict[str, np.ndarray]:
             "engine": np.asarray(engine_label(settings))}
 
 
+def source_rows(args, total: int, kept: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Positions (among the questions the grid is chosen on) of each --data spec's held-out questions,
+    rebuilt from the data as score_held_out picks them."""
+    from medvqa.datasets import load_specs
+    from medvqa_train.data import held_out_split
+
+    examples, spec_of = [], []
+    for spec in args.data:
+        from_spec = load_specs([spec])
+        examples += from_spec
+        parts = spec.split(":")
+        spec_of += [f"{Path(parts[1]).name}:{parts[-1]}" if parts[0] == "jsonl" else parts[0]] * len(from_spec)
+    picked = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[0]
+    if len(picked) != total:
+        raise SystemExit(f"--by-source: the data give {len(picked)} held-out questions, the scores {total}; "
+                         "pass the --data, --val and --holdout-percent the scores were made with")
+    names = np.asarray([spec_of[i] for i in picked])
+    if kept is not None:
+        names = names[kept]
+    return {name: np.flatnonzero(names == name) for name in dict.fromkeys(names)}
+
+
 def picks(scores: np.ndarray, yes_bias: float) -> np.ndarray:
     scores = scores + yes_bias * np.asarray([form == "Yes" for form in FORMS])
     return np.asarray([FORMS[i].lower() for i in scores.argmax(1)])
@@ -81,6 +103,8 @@ def main() -> None:
     parser.add_argument("--scores", default="runs/tune-closed-scores.npz",
                         help="where the scores are saved; read from there with --reuse")
     parser.add_argument("--reuse", action="store_true", help="read the saved scores instead of running the model")
+    parser.add_argument("--by-source", action="store_true",
+                        help="also print the grid for each --data spec's questions (reads the data, not the model)")
     args = parser.parse_args()
 
     if args.reuse:
@@ -90,6 +114,7 @@ def main() -> None:
         Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
         np.savez(args.scores, **saved)
     answers = saved["answers"]
+    kept = None
     if load_settings(args.profile).decoder.presupposed_closed and "presupposed" in saved:
         # The bias only moves the questions still scored Yes against No: it is chosen on those.
         kept = ~saved["presupposed"].astype(bool)
@@ -109,6 +134,17 @@ def main() -> None:
         said_yes = np.mean(picks(saved["real"], row["yes_bias"]) == "yes")
         print(f"| {row['yes_bias']:g} | {100 * row['real']:.1f} | {100 * row['shuffled']:.1f} | {100 * said_yes:.1f} |")
     best = max(grid, key=lambda row: (row["real"], -row["yes_bias"]))
+    if args.by_source:
+        for name, rows in source_rows(args, len(saved["presupposed"]) if "presupposed" in saved else len(answers),
+                                      kept if kept is not None else None).items():
+            said = "answered Yes"
+            print(f"\n{name}: {len(rows)} questions ({100 * np.mean(answers[rows] == 'yes'):.1f} % yes)")
+            print(f"| yes_bias | real | shuffled | {said} |")
+            print("|---|---|---|---|")
+            for bias in args.yes_bias:
+                print(f"| {bias:g} | {100 * accuracy(saved['real'][rows], answers[rows], bias):.1f} | "
+                      f"{100 * accuracy(saved['shuffled'][rows], answers[rows], bias):.1f} | "
+                      f"{100 * np.mean(picks(saved['real'][rows], bias) == 'yes'):.1f} |")
     print(json.dumps({"n": len(answers), "engine": str(saved["engine"]), "grid": grid,
                       "best": {"yes_bias": best["yes_bias"]}}))
 
