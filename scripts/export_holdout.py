@@ -25,7 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from medvqa.answers import normalise  # noqa: E402
 from medvqa.datasets import load_specs  # noqa: E402
+from medvqa.presuppose import KINDS, presupposition  # noqa: E402
 from medvqa_train.data import held_out_by_content  # noqa: E402
 from medvqa_train.medical import content_hash  # noqa: E402
 
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/holdout")
     parser.add_argument("--split", default="heldout", help="files written: SPLIT-<dataset>.jsonl")
+    parser.add_argument("--presupposed", default=None, choices=KINDS,
+                        help="keep only the yes/no questions medvqa/presuppose.py reads as naming a value of this "
+                             "attribute (e.g. organ: \"Does the picture contain liver?\")")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -45,6 +50,9 @@ def main(argv=None) -> int:
     for spec in args.data:
         examples = load_specs([spec])
         left_out = held_out_by_content(examples, args.holdout_percent)[1]
+        if args.presupposed:
+            left_out = [i for i in left_out if (read := presupposition(examples[i].question)) is not None
+                        and read.kind == args.presupposed and normalise(examples[i].answer) in ("yes", "no")]
         if args.per_source and len(left_out) > args.per_source:
             left_out = sorted(random.Random(args.seed).sample(left_out, args.per_source))
         name = spec.split(":")[0]

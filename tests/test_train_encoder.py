@@ -172,6 +172,20 @@ def test_export_holdout_writes_one_benchmark_per_dataset_with_one_path_per_image
     assert all(e.image.is_absolute() and e.image.is_file() for e in examples)
 
 
+def test_export_holdout_keeps_one_presupposed_attribute(tmp_path):
+    import export_holdout
+
+    _pathvqa_folder(tmp_path / "path")
+    rows = json.loads((tmp_path / "path" / "train.json").read_text())
+    rows[1]["question"], rows[3]["question"] = "Does the picture contain liver?", "Is this a CT?"
+    (tmp_path / "path" / "train.json").write_text(json.dumps(rows))
+    out = tmp_path / "holdout"
+    assert export_holdout.main(["--data", f"pathvqa:{tmp_path / 'path'}:train", "--holdout-percent", "100",
+                                "--presupposed", "organ", "--split", "organ", "--out", str(out)]) == 0
+    examples = load_examples("jsonl", out, "organ-pathvqa")
+    assert [e.question for e in examples] == ["Does the picture contain liver?"]
+
+
 def test_the_offline_profile_ships_the_medical_encoder_its_card_describes():
     import hashlib
 
