@@ -47,3 +47,25 @@ def test_choices_are_checked_once_with_the_choices_named():
     with pytest.raises(ValueError, match=r"retrieval.prompt_gate is 'sometimes'"):
         load_settings("tiny", env={"MEDVQA_RETRIEVAL__PROMPT_GATE": "sometimes"})
     assert load_settings("offline", env={"MEDVQA_DECODER__ENGINE": "llama.cpp"}).decoder.engine == "llama.cpp"
+
+
+def test_every_setting_is_documented():
+    """docs/configuration.md lists every field of every settings section."""
+    import dataclasses
+    from pathlib import Path
+
+    from medvqa import config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    missing = []
+
+    def walk(cls, prefix=""):
+        for field in dataclasses.fields(cls):
+            section = getattr(config, field.type, None) if isinstance(field.type, str) else field.type
+            if dataclasses.is_dataclass(section):
+                walk(section, field.name + ".")
+            elif f"`{field.name}`" not in text and f"`{prefix}{field.name}`" not in text:
+                missing.append(prefix + field.name)
+
+    walk(config.Settings)
+    assert not missing, f"not in docs/configuration.md: {missing}"
