@@ -91,7 +91,8 @@ class DecoderConfig:
     presupposed_closed: bool = False
     # Which of those attributes are read that way ("modality", "plane", "region", "organ"); a question
     # about another one is scored Yes against No.
-    presupposed_kinds: list[str] = field(default_factory=lambda: ["modality", "plane", "region", "organ"])
+    presupposed_kinds: list[Literal["modality", "plane", "region", "organ"]] = field(
+        default_factory=lambda: ["modality", "plane", "region", "organ"])
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -326,6 +327,12 @@ def check_choices(config: Any, section: str = "") -> None:
         elif get_origin(hints[item.name]) is Literal and value not in get_args(hints[item.name]):
             choices = ", ".join(repr(choice) for choice in get_args(hints[item.name]))
             raise ValueError(f"Setting {name} is {value!r}; choose one of {choices}.")
+        elif get_origin(hints[item.name]) is list and get_origin(get_args(hints[item.name])[0]) is Literal:
+            allowed = get_args(get_args(hints[item.name])[0])
+            for element in value:
+                if element not in allowed:
+                    choices = ", ".join(repr(choice) for choice in allowed)
+                    raise ValueError(f"Setting {name} holds {element!r}; each must be one of {choices}.")
 
 
 def _env_overrides(env: dict[str, str], skip: set[str] = frozenset()) -> dict[str, Any]:

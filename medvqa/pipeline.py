@@ -437,8 +437,7 @@ class Pipeline:
     def _presupposition(self, question: str, candidates: list[str]) -> Presupposition | None:
         if not self.settings.decoder.presupposed_closed or question_kind(candidates) != YES_NO:
             return None
-        presupposed = presupposition(question)
-        return presupposed if presupposed and presupposed.kind in self.settings.decoder.presupposed_kinds else None
+        return presupposition(question, self.settings.decoder.presupposed_kinds)
 
     def _presupposed_scores(self, request: EngineRequest, presupposed: Presupposition) -> tuple[str, dict[str, float]]:
         """("Yes" or "No", {"yes": the named value's score, "no": the best other value's}) after the

@@ -77,7 +77,13 @@ def _value(phrase: str, values: dict[str, tuple[str, ...]]) -> str | None:
     return None
 
 
-def presupposition(question: str) -> Presupposition | None:
+def presupposition(question: str, kinds=KINDS) -> Presupposition | None:
+    """The open question `question` presupposes, if it names one value of an attribute in `kinds`."""
+    read = _presupposition(question)
+    return read if read is not None and read.kind in kinds else None
+
+
+def _presupposition(question: str) -> Presupposition | None:
     text = normalise(question.replace("/", " ").replace("-", " "))
     if not text or " or " in f" {text} ":
         return None

@@ -1,7 +1,7 @@
 """Organ-presence questions for the projector, from SLAKE's training annotations.
 
-SLAKE asks "Does the picture contain liver?" about few organs per image (702 such questions over its
-450 training images). The encoder's medical stage learnt organ presence from the organ boxes
+SLAKE asks "Does the picture contain liver?" about few organs per image (733 yes/no organ questions over
+its 450 training images). The encoder's medical stage learnt organ presence from the organ boxes
 (`detection.json`), but the frozen decoder, asked Yes against No, does not pass it on
 (docs/encoder.md, "Where the answer is lost"). These questions give the projector's Yes/No loss
 the same facts in SLAKE's own phrasing, for every training image:
@@ -14,8 +14,8 @@ the same facts in SLAKE's own phrasing, for every training image:
   scan);
 - any other organ is unknown and asked about nowhere (a chest CT's heart without a box may be there).
 
-Only training images are read; the projector script's hold-out (by image content hash) removes the
-held-out images' questions as it removes their other ones.
+Only training images are read, and with `holdout_percent` (the script's default, 15) the images the
+encoder and the projector hold out are skipped altogether.
 """
 
 from __future__ import annotations
@@ -28,19 +28,24 @@ from pathlib import Path
 from medvqa.answers import normalise
 from medvqa.presuppose import ORGAN_SPELLINGS, ORGANS, presupposition
 
-# SLAKE's phrasing ("Does the picture contain liver?" is most of its 702 questions), organ in lower case.
+# SLAKE's phrasing ("Does the picture contain liver?" is most of its organ questions), organ in lower case.
 TEMPLATES = ("Does the picture contain {organ}?", "Does this image contain {organ}?")
 
 
+def _singular(words: str) -> str:
+    return words[:-1] if words.endswith("s") and not words.endswith("us") else words
+
+
 def organs_named(text: str) -> set[str]:
-    """The ORGANS a box label or an answer names ("Right Lung" → Lung, "Liver, Kidney" → both)."""
+    """The ORGANS a box label or an answer names ("Right Lung" → Lung, "Left Eye" → Eyes,
+    "Liver, Kidney" → both)."""
     found = set()
     for part in text.replace("/", ",").replace(" and ", ",").split(","):
         words = normalise(part)
-        words = ORGAN_SPELLINGS.get(words, words)
+        words = _singular(ORGAN_SPELLINGS.get(words, words))
         for organ in ORGANS:
-            name = normalise(organ)
-            if words == name or words.endswith(" " + name) or words.rstrip("s") == name:
+            name = _singular(normalise(organ))
+            if words == name or words.endswith(" " + name):
                 found.add(organ)
     # "brain edema", "brain enhancing tumor": a lesion of the brain shows the brain
     if normalise(text).startswith("brain ") and "Brain Stem" not in found:
@@ -48,11 +53,21 @@ def organs_named(text: str) -> set[str]:
     return found
 
 
-def organ_labels(slake: Path, annotations: Path | None) -> dict[str, dict]:
-    """Per training image (its path relative to `slake/imgs`): location and organs present / absent."""
+def organ_labels(slake: Path, annotations: Path | None, holdout_percent: float = 0.0) -> dict[str, dict]:
+    """Per training image (its path relative to `slake/imgs`): location and organs present / absent.
+    Images in the encoder's hold-out (`holdout_percent`, by content hash) are left out entirely, so
+    their organs do not decide what another image's location shows."""
+    from .medical import content_hash, held_out_hash
+
     rows = [row for row in json.loads((slake / "train.json").read_text()) if row.get("q_lang", "en") == "en"]
+    held: dict[str, bool] = {}
     images: dict[str, dict] = {}
     for row in rows:
+        if holdout_percent:
+            if row["img_name"] not in held:
+                held[row["img_name"]] = held_out_hash(content_hash(slake / "imgs" / row["img_name"]), holdout_percent)
+            if held[row["img_name"]]:
+                continue
         image = images.setdefault(row["img_name"], {"location": row.get("location", ""), "present": set(),
                                                      "absent": set()})
         answer = str(row["answer"]).strip()
@@ -71,7 +86,7 @@ def organ_labels(slake: Path, annotations: Path | None) -> dict[str, dict]:
                 for entry in json.loads(detection.read_text() or "[]"):
                     for label in entry:
                         image["present"] |= organs_named(label)
-    for image in images.values():  # an explicit No on this image outweighs a box label read as the organ
+    for image in images.values():  # an explicit No on this image outweighs a box or an answer naming the organ
         image["present"] -= image["absent"]
     seen_at: dict[str, set[str]] = defaultdict(set)
     for image in images.values():
@@ -82,11 +97,12 @@ def organ_labels(slake: Path, annotations: Path | None) -> dict[str, dict]:
     return images
 
 
-def organ_questions(slake: Path, annotations: Path | None, per_image: int = 3, seed: int = 0) -> list[dict]:
+def organ_questions(slake: Path, annotations: Path | None, per_image: int = 3, seed: int = 0,
+                    holdout_percent: float = 0.0) -> list[dict]:
     """Up to `per_image` present and as many absent organs per image, as JSONL rows (`image` absolute)."""
     rng = random.Random(seed)
     rows = []
-    for name, image in sorted(organ_labels(slake, annotations).items()):
+    for name, image in sorted(organ_labels(slake, annotations, holdout_percent).items()):
         present, absent = sorted(image["present"]), sorted(image["absent"])
         rng.shuffle(present)
         rng.shuffle(absent)

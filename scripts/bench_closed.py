@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                     answer_s.append(done.timings["ttft_s"])
                     turn_s.append(done.timings["total_s"])
             key = f"{'presupposed' if presupposed else 'yes_no'}: {question}"
-            results[key] = {"read": bool(presupposed and presupposition(question)),
+            results[key] = {"read": bool(presupposed and presupposition(question, settings.decoder.presupposed_kinds)),
                             "answer_s": round(statistics.median(answer_s), 4),
                             "turn_s": round(statistics.median(turn_s), 4)}
             print(f"{key:60s} answer {results[key]['answer_s']:.3f} s, turn with image check "

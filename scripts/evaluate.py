@@ -104,9 +104,9 @@ def main() -> None:
     # Closed answers depend on how options are read and scored (answers.CLOSED_DECODING, the Yes bias).
     # and whether yes/no questions naming a value are scored through the open question they presuppose.
     presupposed = ""
-    if settings.decoder.presupposed_closed:
-        kinds = settings.decoder.presupposed_kinds
-        presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p" + "".join(sorted(kind[0] for kind in kinds))
+    kinds = settings.decoder.presupposed_kinds
+    if settings.decoder.presupposed_closed and kinds:
+        presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p-" + "-".join(sorted(set(kinds))) + "-"
     closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")

@@ -25,10 +25,12 @@ def main() -> None:
     parser.add_argument("--slake-annotations", default=None, help="folder of xmlabN/detection.json (optional)")
     parser.add_argument("--per-image", type=int, default=3, help="present organs (and as many absent) per image")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--holdout-percent", type=float, default=15.0,
+                        help="skip the images train_encoder.py / train_projector.py --holdout-percent hold out")
     parser.add_argument("--out", default="runs/organs", help="folder; writes OUT/slake-organs.jsonl")
     args = parser.parse_args()
     rows = organ_questions(Path(args.slake), Path(args.slake_annotations) if args.slake_annotations else None,
-                           args.per_image, args.seed)
+                           args.per_image, args.seed, args.holdout_percent)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "slake-organs.jsonl"

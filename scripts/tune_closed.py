@@ -53,7 +53,8 @@ def score_held_out(args) -> dict[str, np.ndarray]:
             "answers": np.asarray([normalise(example.answer) for example in held_out]),
             # Questions the app scores through the open question they presuppose when
             # decoder.presupposed_closed is on: Yes and No are not compared there, so no bias applies.
-            "presupposed": np.asarray([presupposition(example.question) is not None for example in held_out]),
+            "presupposed": np.asarray([presupposition(example.question, settings.decoder.presupposed_kinds) is not None
+                                       for example in held_out]),
             "engine": np.asarray(engine_label(settings))}
 
 
@@ -68,7 +69,8 @@ def source_rows(args, total: int, kept: np.ndarray | None) -> dict[str, np.ndarr
         from_spec = load_specs([spec])
         examples += from_spec
         parts = spec.split(":")
-        spec_of += [f"{Path(parts[1]).name}:{parts[-1]}" if parts[0] == "jsonl" else parts[0]] * len(from_spec)
+        name = f"{Path(parts[1]).name}:{parts[-1]}" if parts[0] == "jsonl" else f"{parts[0]}:{parts[-1]}"
+        spec_of += [name if name not in spec_of else spec] * len(from_spec)
     picked = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[0]
     if len(picked) != total:
         raise SystemExit(f"--by-source: the data give {len(picked)} held-out questions, the scores {total}; "

@@ -30,7 +30,7 @@ def _slake(tmp_path: Path) -> tuple[Path, Path]:
     (slake / "train.json").write_text(json.dumps(rows))
     for image in ("xmlab1", "xmlab2", "xmlab3", "xmlab4"):
         (slake / "imgs" / image).mkdir(parents=True)
-        (slake / "imgs" / image / "source.jpg").write_bytes(b"")
+        (slake / "imgs" / image / "source.jpg").write_bytes(image.encode())  # distinct content, distinct hash
     (boxes / "xmlab2").mkdir(parents=True)
     (boxes / "xmlab2" / "detection.json").write_text(json.dumps([{"Spleen": [1, 2, 3, 4]}, {"Left Kidney": [1, 2, 3, 4]}]))
     (boxes / "xmlab4").mkdir(parents=True)
@@ -45,6 +45,8 @@ def test_organs_named_reads_box_labels_and_answers():
     assert organs_named("Brain Edema") == {"Brain"}
     assert organs_named("Brain Stem") == {"Brain Stem"}
     assert organs_named("Kidneys") == {"Kidney"}
+    assert organs_named("Left Eye") == {"Eyes"} and organs_named("Right Ear") == {"Ears"}
+    assert organs_named("Left Humerus Head") == {"Humerus Head"} and organs_named("Esophagus") == {"Esophagus"}
     assert organs_named("Cardiomegaly") == set()
 
 
@@ -73,9 +75,28 @@ def test_questions_are_balanced_readable_and_deterministic(tmp_path):
     assert all(row["question"].startswith(("Does the picture contain ", "Does this image contain ")) for row in rows)
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_organ_questions.py"), "--slake", str(slake),
-                             "--slake-annotations", str(boxes), "--per-image", "2", "--out", str(out)],
+                             "--slake-annotations", str(boxes), "--per-image", "2", "--holdout-percent", "0",
+                             "--out", str(out)],
                             capture_output=True, text=True, cwd=ROOT, check=True)
     assert "8 questions on 4 images" in result.stdout
     examples = load_specs([f"jsonl:{out}:slake-organs"])
     assert len(examples) == 8 and all(example.image.is_file() for example in examples)
     assert {example.answer for example in examples} == {"Yes", "No"}
+
+
+def test_held_out_images_are_skipped_altogether(tmp_path):
+    from medvqa_train.medical import content_hash, held_out_hash
+
+    slake, boxes = _slake(tmp_path)
+    buckets = {name: held_out_hash(content_hash(slake / "imgs" / name / "source.jpg"), 100.0)
+               for name in ("xmlab1", "xmlab2", "xmlab3", "xmlab4")}
+    assert all(buckets.values())  # at 100 % every image is held out
+    assert organ_labels(slake, boxes, holdout_percent=100.0) == {}
+    assert organ_questions(slake, boxes, holdout_percent=100.0) == []
+    # the image in the lowest bucket alone held out: it is skipped, the others are labelled
+    first = {name: next(p for p in range(1, 101) if held_out_hash(content_hash(slake / "imgs" / name / "source.jpg"), p))
+             for name in buckets}
+    lowest = min(first, key=first.get)
+    if sorted(first.values())[0] < sorted(first.values())[1]:
+        labels = organ_labels(slake, boxes, holdout_percent=first[lowest])
+        assert set(labels) == {f"{name}/source.jpg" for name in buckets if name != lowest}
