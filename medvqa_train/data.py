@@ -171,6 +171,21 @@ def held_out_by_content(examples: list[VQAExample], percent: float) -> tuple[lis
     return [i for i in left_out if _is_yes_no(examples[i])], left_out
 
 
+def load_named_specs(specs: list[str]) -> tuple[list[VQAExample], list[str]]:
+    """The examples of several --data specs, in order, and each one's spec name: the dataset
+    ("slake"), or for `jsonl:DIR:SPLIT` the folder's name and the split ("holdout:heldout-slake")."""
+    from medvqa.datasets import load_specs
+
+    examples, names = [], []
+    for spec in specs:
+        from_spec = load_specs([spec])
+        parts = spec.split(":")
+        name = f"{Path(parts[1]).name}:{parts[-1]}" if parts[0] == "jsonl" and len(parts) == 3 else parts[0]
+        examples += from_spec
+        names += [name] * len(from_spec)
+    return examples, names
+
+
 def held_out_split(examples: list[VQAExample], val: int, by_image: bool, seed: int,
                    percent: float = 0.0) -> tuple[list[int], list[int]]:
     """(watched yes/no questions, every question training leaves out), as the projector scripts'

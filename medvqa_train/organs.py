@@ -71,8 +71,8 @@ def organ_labels(slake: Path, annotations: Path | None, holdout_percent: float =
         image = images.setdefault(row["img_name"], {"location": row.get("location", ""), "present": set(),
                                                      "absent": set()})
         answer = str(row["answer"]).strip()
-        asked = presupposition(row["question"])
-        if asked is not None and asked.kind == "organ":
+        asked = presupposition(row["question"], ("organ",))
+        if asked is not None:
             if normalise(answer) == "yes":
                 image["present"].add(asked.target)
             elif normalise(answer) == "no":

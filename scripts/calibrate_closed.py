@@ -66,14 +66,9 @@ def score_held_out(args, settings) -> dict:
 def held_out_closed(args) -> list[tuple[str, object]]:
     """(data spec name, example) of every closed question about the held-out images, in scoring order."""
     from medvqa.answers import closed_candidates
-    from medvqa.datasets import load_specs
-    from medvqa_train.data import held_out_split
+    from medvqa_train.data import held_out_split, load_named_specs
 
-    examples, spec_of = [], []
-    for spec in args.data:
-        from_spec = load_specs([spec])
-        examples += from_spec
-        spec_of += [spec.split(":")[0]] * len(from_spec)
+    examples, spec_of = load_named_specs(args.data)
     left_out = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[1]
     return [(spec_of[i], examples[i]) for i in left_out
             if examples[i].answer_type == "CLOSED" and closed_candidates(examples[i].question)]

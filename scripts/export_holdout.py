@@ -51,8 +51,8 @@ def main(argv=None) -> int:
         examples = load_specs([spec])
         left_out = held_out_by_content(examples, args.holdout_percent)[1]
         if args.presupposed:
-            left_out = [i for i in left_out if (read := presupposition(examples[i].question)) is not None
-                        and read.kind == args.presupposed and normalise(examples[i].answer) in ("yes", "no")]
+            left_out = [i for i in left_out if presupposition(examples[i].question, (args.presupposed,))
+                        and normalise(examples[i].answer) in ("yes", "no")]
         if args.per_source and len(left_out) > args.per_source:
             left_out = sorted(random.Random(args.seed).sample(left_out, args.per_source))
         name = spec.split(":")[0]

@@ -61,16 +61,9 @@ def score_held_out(args) -> dict[str, np.ndarray]:
 def source_rows(args, total: int, kept: np.ndarray | None) -> dict[str, np.ndarray]:
     """Positions (among the questions the grid is chosen on) of each --data spec's held-out questions,
     rebuilt from the data as score_held_out picks them."""
-    from medvqa.datasets import load_specs
-    from medvqa_train.data import held_out_split
+    from medvqa_train.data import held_out_split, load_named_specs
 
-    examples, spec_of = [], []
-    for spec in args.data:
-        from_spec = load_specs([spec])
-        examples += from_spec
-        parts = spec.split(":")
-        name = f"{Path(parts[1]).name}:{parts[-1]}" if parts[0] == "jsonl" else f"{parts[0]}:{parts[-1]}"
-        spec_of += [name if name not in spec_of else spec] * len(from_spec)
+    examples, spec_of = load_named_specs(args.data)
     picked = held_out_split(examples, args.val, args.val_by_image, args.seed, args.holdout_percent)[0]
     if len(picked) != total:
         raise SystemExit(f"--by-source: the data give {len(picked)} held-out questions, the scores {total}; "
@@ -79,6 +72,18 @@ def source_rows(args, total: int, kept: np.ndarray | None) -> dict[str, np.ndarr
     if kept is not None:
         names = names[kept]
     return {name: np.flatnonzero(names == name) for name in dict.fromkeys(names)}
+
+
+def print_grid(real: np.ndarray, shuffled: np.ndarray, answers: np.ndarray, biases: list[float]) -> list[dict]:
+    """Accuracy with the real and the shuffled image, and the share answered Yes, for each bias."""
+    grid = [{"yes_bias": bias, "real": accuracy(real, answers, bias), "shuffled": accuracy(shuffled, answers, bias)}
+            for bias in biases]
+    print("| yes_bias | real | shuffled | answered Yes |")
+    print("|---|---|---|---|")
+    for row in grid:
+        said_yes = np.mean(picks(real, row["yes_bias"]) == "yes")
+        print(f"| {row['yes_bias']:g} | {100 * row['real']:.1f} | {100 * row['shuffled']:.1f} | {100 * said_yes:.1f} |")
+    return grid
 
 
 def picks(scores: np.ndarray, yes_bias: float) -> np.ndarray:
@@ -128,25 +133,13 @@ def main() -> None:
         answers = answers[kept]
     print(f"{len(answers)} held-out yes/no questions ({100 * np.mean(answers == 'yes'):.1f} % yes), "
           f"engine {saved['engine']}; accuracy real image (shuffled image), %")
-    grid = [{"yes_bias": bias, "real": accuracy(saved["real"], answers, bias),
-             "shuffled": accuracy(saved["shuffled"], answers, bias)} for bias in args.yes_bias]
-    print("| yes_bias | real | shuffled | answered Yes |")
-    print("|---|---|---|---|")
-    for row in grid:
-        said_yes = np.mean(picks(saved["real"], row["yes_bias"]) == "yes")
-        print(f"| {row['yes_bias']:g} | {100 * row['real']:.1f} | {100 * row['shuffled']:.1f} | {100 * said_yes:.1f} |")
+    grid = print_grid(saved["real"], saved["shuffled"], answers, args.yes_bias)
     best = max(grid, key=lambda row: (row["real"], -row["yes_bias"]))
     if args.by_source:
-        for name, rows in source_rows(args, len(saved["presupposed"]) if "presupposed" in saved else len(answers),
-                                      kept if kept is not None else None).items():
-            said = "answered Yes"
+        total = len(saved["presupposed"]) if "presupposed" in saved else len(answers)
+        for name, rows in source_rows(args, total, kept).items():
             print(f"\n{name}: {len(rows)} questions ({100 * np.mean(answers[rows] == 'yes'):.1f} % yes)")
-            print(f"| yes_bias | real | shuffled | {said} |")
-            print("|---|---|---|---|")
-            for bias in args.yes_bias:
-                print(f"| {bias:g} | {100 * accuracy(saved['real'][rows], answers[rows], bias):.1f} | "
-                      f"{100 * accuracy(saved['shuffled'][rows], answers[rows], bias):.1f} | "
-                      f"{100 * np.mean(picks(saved['real'][rows], bias) == 'yes'):.1f} |")
+            print_grid(saved["real"][rows], saved["shuffled"][rows], answers[rows], args.yes_bias)
     print(json.dumps({"n": len(answers), "engine": str(saved["engine"]), "grid": grid,
                       "best": {"yes_bias": best["yes_bias"]}}))
 
