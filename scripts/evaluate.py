@@ -91,8 +91,8 @@ def main() -> None:
     if args.engine:
         settings.decoder.engine = args.engine
     # Accuracy is that of the option the model picks, at full coverage: an "Uncertain" answer would
-    # hide it. How often the app would abstain is printed after (each closed answer's confidence is
-    # kept); accuracy against coverage: scripts/evaluate_grounding.py.
+    # hide it. How often the app would abstain is printed after (each closed answer's option margin is
+    # kept, and calibrated when summarising); accuracy against coverage: scripts/evaluate_grounding.py.
     settings.decoder.abstain = False
     torch.manual_seed(settings.seed)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
@@ -129,7 +129,7 @@ def main() -> None:
     with results_path.open("a") as out:
         for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
             if example.qid in done and all(c in done[example.qid] for c in args.conditions) and (
-                    example.answer_type != "CLOSED" or "confidence" in done[example.qid]):
+                    example.answer_type != "CLOSED" or "margin" in done[example.qid]):
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}
@@ -148,9 +148,11 @@ def main() -> None:
                 answer, passages = answered.answer, answered.passages
                 row[condition] = answer
                 if condition == main and example.answer_type == "CLOSED":
-                    # The calibrated confidence the app would show (abstention is off while measuring);
-                    # None for a closed question answered in free text, which the app never withholds.
-                    row["confidence"] = (answered.closed or {}).get("confidence")
+                    # The option margin the app's confidence is calibrated on (abstention is off while
+                    # measuring); None for a closed question answered in free text, which the app never
+                    # withholds. The confidence is computed from it when summarising, with the calibration
+                    # in force then, so results kept from before a refit are judged by the current fit.
+                    row["margin"] = (answered.closed or {}).get("margin")
                     row["closed_kind"] = (answered.closed or {}).get("kind")
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
@@ -171,6 +173,9 @@ def main() -> None:
         if condition in args.conditions:
             summary[condition] = score(rows, condition)
     closed_rows = [r for r in rows if r["answer_type"] == "CLOSED"]
+    for r in closed_rows:
+        r["confidence"] = (None if r.get("margin") is None
+                           else pipeline.calibration.confidence(r["margin"], r["closed_kind"]))
     free = bool(closed_rows) and all("retrieval_free" in r for r in closed_rows)  # only run with retrieval
     if free:
         summary["closed_accuracy_free_generation"] = score(closed_rows, "retrieval_free")["closed_accuracy"]
@@ -195,8 +200,7 @@ def main() -> None:
         summary["retrieval_flips"] = {
             "right_to_wrong": sum(correct(r, "no_retrieval") and not correct(r, "retrieval") for r in rows),
             "wrong_to_right": sum(not correct(r, "no_retrieval") and correct(r, "retrieval") for r in rows)}
-    if (closed_rows and all("confidence" in r for r in closed_rows)
-            and any(r["confidence"] is not None for r in closed_rows)):
+    if closed_rows and any(r["confidence"] is not None for r in closed_rows):
         # What the app does with these answers: below the calibrated threshold it says "Uncertain"
         # (an answer without a confidence, a closed question answered in free text, is given).
         threshold = pipeline.calibration.min_confidence(settings.decoder.min_confidence,
