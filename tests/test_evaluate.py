@@ -63,14 +63,15 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
                                        "threshold": {"met": True, "min_confidence": 0.4}}))
     for run_dir in ("runs", "runs-calibrated"):
         command[command.index("--run-dir") + 1] = str(tmp_path / run_dir)
-        kept_lines = (tmp_path / run_dir).glob("*.jsonl").__next__().read_text()
+        kept = next((tmp_path / run_dir).glob("*.jsonl"))
+        kept_lines = kept.read_text()
         refit = subprocess.run(command, cwd=REPO, env=dict(env, MEDVQA_DECODER__CALIBRATION=str(calibration)),
                                capture_output=True, text=True, timeout=600)
         assert refit.returncode == 0, refit.stderr[-2000:]
         again = json.loads(refit.stdout.strip().splitlines()[-1])
         assert again["abstention"] == {"threshold": 0.4, "answered": 0.0, "accuracy_answered": None, "unscored": 0}
         assert again["closed_accuracy"] == summary["closed_accuracy"]
-        assert (tmp_path / run_dir).glob("*.jsonl").__next__().read_text() == kept_lines  # nothing answered again
+        assert kept.read_text() == kept_lines  # nothing answered again
 
 
 def test_results_are_named_by_the_weights_llama_cpp_runs():
