@@ -175,7 +175,8 @@ class Pipeline:
         self.prompts = PromptBuilder(engine.tokenizer, model.num_image_tokens if model else 0,
                                      settings.decoder.context_window,
                                      reserve_for_answer=settings.decoder.max_new_tokens,
-                                     format=FORMATS[settings.decoder.conversation_format])
+                                     format=FORMATS[settings.decoder.conversation_format],
+                                     image_position=model.projector.image_position if model else "before")
         self.turns = TurnTaking()
         self.calibration = load_calibration(settings.decoder.calibration)
 

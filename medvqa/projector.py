@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .prompt import IMAGE_POSITIONS
+
 PREFIX = "multi_modal_projector."
 
 
@@ -28,6 +30,9 @@ class Projector(nn.Module):
         self.linear_1 = nn.Linear(vision_size, hidden_size)
         self.act = nn.GELU()  # exact (erf) GELU, as Hugging Face's "gelu"
         self.linear_2 = nn.Linear(hidden_size, text_size)
+        # Where the prompt puts the image it was trained with (prompt.IMAGE_POSITIONS); a loaded file
+        # says which, so the pipeline builds its prompts the same way.
+        self.image_position = "before"
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, N, d_v) -> (B, N, d_l)
         return self.linear_2(self.act(self.linear_1(features)))
@@ -48,7 +53,7 @@ class Projector(nn.Module):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"Projector weights not found at {path}.")
-        _refuse_retired_variants(path)
+        meta = _refuse_retired_variants(path)
         with safe_open(str(path), framework="pt") as handle:
             state = {key[len(PREFIX):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(PREFIX)}
         expected = self.state_dict()
@@ -63,17 +68,24 @@ class Projector(nn.Module):
                     f"{tuple(expected[name].shape)} (vision {self.linear_1.in_features} -> hidden "
                     f"{self.linear_1.out_features} -> text {self.linear_2.out_features}).")
         self.load_state_dict(state)
+        self.image_position = meta.get("image_position", "before")
         return self
 
 
-def _refuse_retired_variants(path: Path) -> None:
-    """Files trained with input normalisation or with the image after the question: both variants
-    were measured worse and removed (docs/experiments.md); such a file would be read wrong."""
+def _refuse_retired_variants(path: Path) -> dict:
+    """The file's metadata, after refusing files trained with input normalisation (measured worse and
+    removed, docs/experiments.md; such a file would be read wrong) or with an image position this
+    code does not know."""
     meta = read_metadata(path)
-    if meta.get("normalize_input") is True or meta.get("image_position", "before") != "before":
+    if meta.get("normalize_input") is True:
         raise ProjectorShapeError(
-            f"{path} was trained with a retired variant (input normalisation or the image after the "
-            f"question); retrain it with scripts/train_projector.py.")
+            f"{path} was trained with a retired variant (input normalisation); retrain it with "
+            f"scripts/train_projector.py.")
+    if meta.get("image_position", "before") not in IMAGE_POSITIONS:
+        raise ProjectorShapeError(
+            f"{path} was trained with the image at {meta['image_position']!r}; this version knows "
+            f"{', '.join(IMAGE_POSITIONS)}.")
+    return meta
 
 
 def read_metadata(path: str | Path) -> dict:

@@ -14,7 +14,9 @@ A conversation format is data (`FORMATS`), one per way a decoder was trained to 
   after the question (the seed paper's order: image, question, passages), with one line saying they
   are reference literature and not instructions; with no passages the prompt is the reference's.
 
-The image sits at a placeholder at the start of the first user message (as LLaVA); after
+The image sits at a placeholder at the start of the first user message (as LLaVA), or after its
+question where the projector was trained that way (`image_position`, read from the projector file:
+the decoder then reads the image with the question in view); after
 tokenisation the placeholder becomes `n_image_tokens` positions flagged in an image mask, which
 `model.merge_image_features` fills with projected image features. Each piece between placeholders is
 tokenised on its own, as the reference does. Without a tokenizer (an engine that renders its own
@@ -36,6 +38,8 @@ from functools import cached_property
 from typing import Sequence
 
 IMAGE_PLACEHOLDER = "<image>"
+# Where the first user message puts the image: before the question and passages (as LLaVA), or after them.
+IMAGE_POSITIONS = ("before", "after")
 
 # Control tokens of the chat formats a decoder or a remote server may render with (ChatML, LLaMA-2 /
 # Mistral, Llama 3, Gemma, Phi-3): removed from outside text whatever the profile, since a server's
@@ -145,7 +149,12 @@ class PromptBuilder:
     context_window: int = 2048
     reserve_for_answer: int = 128
     format: ConversationFormat = FORMATS["chat_template"]
+    image_position: str = "before"  # one of IMAGE_POSITIONS: how the projector was trained
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.image_position not in IMAGE_POSITIONS:
+            raise ValueError(f"image_position must be one of {IMAGE_POSITIONS}, not {self.image_position!r}")
 
     @cached_property
     def control_markers(self) -> tuple[str, ...]:
@@ -187,7 +196,8 @@ class PromptBuilder:
         if sources and style.passages_header:
             sources.insert(0, style.passages_header)
         question_line = [style.question_prefix + self.neutralise(question).strip()]
-        parts = image + (sources + question_line if style.passages_first else question_line + sources)
+        text = sources + question_line if style.passages_first else question_line + sources
+        parts = text + image if self.image_position == "after" else image + text
         return style.separator.join(parts)
 
     def messages(self, question: str, history: Sequence[Turn] = (), passages: Sequence = (),

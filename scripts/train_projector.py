@@ -26,7 +26,7 @@ from medvqa.datasets import load_specs, read_image
 from medvqa.device import pick_device
 from medvqa.language_model import LanguageModel, hub_offline_env, save_plain_copy
 from medvqa.model import build_projector
-from medvqa.prompt import PromptBuilder
+from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder
 from medvqa.vision import build_vision, pool_tokens
 from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_split, make_example,
                                shared_prefix_length, training_answer)
@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--init", default=None,
                         help="start from these projector weights (fine-tuning) instead of from scratch")
+    parser.add_argument("--image-position", choices=IMAGE_POSITIONS, default=None,
+                        help="where the prompt puts the image: before the question (as LLaVA; the default) or after "
+                             "it; recorded in the projector file (default with --init: the init file's)")
     parser.add_argument("--closed-weight", type=float, default=0.0,
                         help="weight of a two-way Yes/No loss on yes/no questions, beside the token loss (the shipped "
                              "projector: 1.0, chosen on the training hold-out; docs/encoder.md)")
@@ -131,7 +134,9 @@ def main() -> None:
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
     if args.init:
         projector.load(args.init)
-    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32)
+    image_position = args.image_position or projector.image_position
+    builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32,
+                            image_position=image_position)
 
     examples, spec_of = [], []  # spec_of: which --data spec each example came from (--repeat)
     for k, spec in enumerate(args.data):
@@ -295,7 +300,7 @@ def main() -> None:
     card = {
         "profile": args.profile, "data": args.data, "examples": len(train), "steps": step,
         "planned_steps": total_steps, "epochs": round(step / max(1, steps_per_epoch), 3),
-        "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens,
+        "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens, "image_position": image_position,
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
@@ -312,7 +317,8 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
     }
     final = projector.folded() if args.standardize else projector
-    final.save(out / "projector.safetensors", metadata={"image_tokens": n_tokens, "steps": step})
+    final.save(out / "projector.safetensors",
+               metadata={"image_tokens": n_tokens, "steps": step, "image_position": image_position})
     if adapters:
         merge_lora(decoder.model)
         save_plain_copy(decoder.model, decoder.tokenizer, out / "decoder")

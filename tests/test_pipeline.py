@@ -291,3 +291,31 @@ def test_the_image_reliance_check_runs_as_background_work(tiny_pipeline):
         del engine.score_options
     assert isinstance(events[-1], Done) and "flagged" in events[-1].closed
     assert seen == [(conversation.id, False), (NEUTRAL_CONVERSATION, True)]
+
+
+def test_the_prompt_puts_the_image_where_the_projector_was_trained_to_read_it(tiny_pipeline, tmp_path):
+    """A projector file trained with the image after the question (train_projector.py --image-position
+    after) makes the pipeline's prompts put it there, in later turns too; the default stays LLaVA's."""
+    from medvqa.model import VisionLanguageModel
+    from medvqa.pipeline import Pipeline
+
+    trained = tiny_pipeline.model.projector
+    path = tmp_path / "projector.safetensors"
+    trained.save(path, metadata={"image_position": "after"})
+    projector = Projector(trained.linear_1.in_features, trained.linear_1.out_features,
+                          trained.linear_2.out_features).load(path)
+    assert projector.image_position == "after" and trained.image_position == "before"
+    pipeline = Pipeline(tiny_pipeline.settings, tiny_pipeline.engine,
+                        VisionLanguageModel(tiny_pipeline.model.vision, projector))
+    before = tiny_pipeline.prompts.build("Is there an effusion?").text
+    assert before.index("<image>") < before.index("Is there an effusion?")
+    first = pipeline.prompts.build("Is there an effusion?").text
+    assert first.index("Is there an effusion?") < first.index("<image>")
+    answer, _ = pipeline.answer(_image(41), "Is there an effusion?", use_retrieval=False, constrained=True)
+    assert answer in ("Yes", "No")
+    conversation = Conversation(image=_image(42))
+    done = list(pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=4, constrained=False))[-1]
+    assert isinstance(done, Done)
+    second = pipeline.prompts.build("Which side?", conversation.history)
+    assert sum(second.image_mask) == tiny_pipeline.model.vision.num_tokens
+    assert second.text.index("Is there an effusion?") < second.text.index("<image>") < second.text.index("Which side?")

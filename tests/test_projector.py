@@ -53,10 +53,17 @@ def test_llava_med_projector_keys_map_to_ours(tmp_path):
 
 
 def test_a_projector_file_of_a_retired_variant_is_refused(tmp_path):
-    """Input normalisation and the image after the question were measured worse and removed: a file
-    trained that way would be read wrong, so it is refused with a message, not loaded."""
-    for metadata in ({"image_position": "after"}, {"normalize_input": True}):
-        path = tmp_path / "projector.safetensors"
-        Projector(32, 24, 48).save(path, metadata=metadata)
-        with pytest.raises(ProjectorShapeError, match="retired variant"):
-            Projector(32, 24, 48).load(path)
+    """Input normalisation was measured worse and removed: a file trained that way would be read
+    wrong, so it is refused with a message, not loaded; so is an image position this code does not
+    know. The image after the question loads, and the projector says so (the prompt follows it)."""
+    path = tmp_path / "projector.safetensors"
+    Projector(32, 24, 48).save(path, metadata={"normalize_input": True})
+    with pytest.raises(ProjectorShapeError, match="retired variant"):
+        Projector(32, 24, 48).load(path)
+    Projector(32, 24, 48).save(path, metadata={"image_position": "middle"})
+    with pytest.raises(ProjectorShapeError, match="'middle'"):
+        Projector(32, 24, 48).load(path)
+    Projector(32, 24, 48).save(path, metadata={"image_position": "after"})
+    assert Projector(32, 24, 48).load(path).image_position == "after"
+    Projector(32, 24, 48).save(path)
+    assert Projector(32, 24, 48).load(path).image_position == "before"

@@ -108,6 +108,27 @@ def _loss_setup(tiny_pipeline, tmp_path, rows):
     return decoder, tiny_pipeline.model.projector, made, prefix_cache_tensors(decoder, builder, prefix), prefix, choices
 
 
+def test_image_after_the_question_changes_the_prompt_not_the_supervision(tiny_pipeline, tmp_path):
+    tokenizer = tiny_pipeline.engine.language_model.tokenizer
+    before = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16)
+    after = PromptBuilder(tokenizer, 4, 512, reserve_for_answer=16, image_position="after")
+    text = after.build("Is it normal?").text
+    assert text.index("Question: Is it normal?") < text.index("<image>")
+    # Every example shares the tokens before the question; the image is not among them.
+    prefix = shared_prefix_length(after)
+    assert not any(after.build("Is it normal?").image_mask[:prefix])
+    assert after.build("x").token_ids[:prefix] == after.build("Why?").token_ids[:prefix]
+    assert after.build("x").token_ids[prefix] != after.build("Why?").token_ids[prefix]
+    example = VQAExample("0", tmp_path, "Is it normal?", "yes", "CLOSED")
+    features = torch.zeros(16, tiny_pipeline.model.vision.hidden_size)
+    taught = [make_example(builder, example, features, shared_prefix_length(builder)) for builder in (before, after)]
+    answers = [[label for label in item.labels if label != -100] for item in taught]
+    assert answers[0] == answers[1] and answers[0]  # the same answer tokens are taught
+    assert sum(taught[1].image_mask) == 4
+    with pytest.raises(ValueError, match="image_position"):
+        PromptBuilder(tokenizer, 4, 512, image_position="middle")
+
+
 def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline, tmp_path):
     torch.manual_seed(0)
     features = torch.randn(16, tiny_pipeline.model.vision.hidden_size)
@@ -175,7 +196,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
         [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "4", "--val", "4",
          "--eval-every", "2", "--standardize", "--match-text-scale", "--drop-image", "0.2",
-         "--out", str(out)],
+         "--image-position", "after", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     card = json.loads((out / "card.json").read_text())
@@ -185,9 +206,11 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert [entry["step"] for entry in watched] == [0, 2, 4]
     assert all(0.0 <= entry["yes_no_real"] <= 1.0 for entry in watched)
     assert int(read_metadata(out / "projector.safetensors")["steps"]) == 4
+    assert card["image_position"] == "after"
     projector = Projector(tiny_pipeline.model.vision.hidden_size, tiny_settings.projector.hidden_size,
                           tiny_pipeline.engine.hidden_size)
     projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
+    assert projector.image_position == "after"  # and the prompt will put the image where it trained
 
     # Fine-tuning from those weights with the two-way yes/no loss.
     tuned = tmp_path / "tuned"
@@ -207,6 +230,7 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert card["repeat"] == [2] and card["examples"] == 2 * (len(rows) - left_out)  # each shown twice
     assert card["steps"] == 2 and card["augment"] == 2
     assert card["held_out_by_image"] is True and card["held_out"] == 2
+    assert card["image_position"] == "after"  # kept from the --init file
 
     # Resuming that run from its checkpoint continues to the new step count.
     completed = subprocess.run(
