@@ -19,6 +19,9 @@ What a server needs to serve it as the reference runs it:
   client other than this app sends what the model saw in training instead of a centre crop;
 - the profile's conversation format (prompt.FORMATS) as the chat template of both the processor and
   the tokenizer, so a server renders the prompt the model was trained with whichever it reads;
+- the image before the question, as LLaVA reads it: a projector trained with it after the question
+  (`train_projector.py --image-position after`) is refused, since a server puts the image wherever a
+  client's message puts it;
 - `<image>` never generated: its id is suppressed in `generation_config.json` (`suppress_tokens`,
   `bad_words_ids`; its output row alone would give a logit of 0, not minus infinity). Where the
   tokenizer lacks `<image>` (LLaVA-Med's uses an id outside the vocabulary), it is added as a special
@@ -93,6 +96,10 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
                           f"whose encoder is a Hugging Face vision transformer, such as 'tiny' and 'llava-med'.")
     if vision.pooled_tokens:
         raise ExportError("Token pooling has no LLaVA equivalent; export a model trained on all patch tokens.")
+    if projector.image_position != "before":
+        raise ExportError("This projector was trained with the image after the question; a server renders the "
+                          "image wherever each client's message puts it, so the checkpoint cannot hold that "
+                          "order. Export a projector trained with the image before the question (LLaVA's).")
     out_dir = Path(out_dir)
     tokenizer = copy.deepcopy(decoder.tokenizer)  # the app's own is not changed
     if IMAGE_PLACEHOLDER not in tokenizer.get_vocab():

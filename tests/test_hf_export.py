@@ -54,3 +54,12 @@ def test_offline_profile_export_says_why_not():
 
     with pytest.raises(ExportError, match="no Hugging Face LLaVA form"):
         export_llava(CnnModel(), None, "/nonexistent", "offline")
+
+
+def test_export_refuses_a_projector_trained_with_the_image_after_the_question(tiny_pipeline, tmp_path, monkeypatch):
+    from medvqa.hf_export import ExportError, export_llava
+
+    monkeypatch.setattr(tiny_pipeline.model.projector, "image_position", "after")
+    with pytest.raises(ExportError, match="image after the question"):
+        export_llava(tiny_pipeline.model, tiny_pipeline.engine.language_model, tmp_path / "llava", "tiny")
+    assert not (tmp_path / "llava").exists()  # refused before anything is written
