@@ -53,7 +53,7 @@ class Projector(nn.Module):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"Projector weights not found at {path}.")
-        meta = _refuse_retired_variants(path)
+        meta = _checked_metadata(path)
         with safe_open(str(path), framework="pt") as handle:
             state = {key[len(PREFIX):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(PREFIX)}
         expected = self.state_dict()
@@ -72,7 +72,7 @@ class Projector(nn.Module):
         return self
 
 
-def _refuse_retired_variants(path: Path) -> dict:
+def _checked_metadata(path: Path) -> dict:
     """The file's metadata, after refusing files trained with input normalisation (measured worse and
     removed, docs/experiments.md; such a file would be read wrong) or with an image position this
     code does not know."""

@@ -15,7 +15,7 @@ A conversation format is data (`FORMATS`), one per way a decoder was trained to 
   are reference literature and not instructions; with no passages the prompt is the reference's.
 
 The image sits at a placeholder at the start of the first user message (as LLaVA), or after its
-question where the projector was trained that way (`image_position`, read from the projector file:
+question and passages where the projector was trained that way (`image_position`, read from the projector file:
 the decoder then reads the image with the question in view); after
 tokenisation the placeholder becomes `n_image_tokens` positions flagged in an image mask, which
 `model.merge_image_features` fills with projected image features. Each piece between placeholders is
