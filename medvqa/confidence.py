@@ -17,6 +17,9 @@ and shows the option it leans to, instead of a coin flip presented as an answer
 lowest at which answered questions reach a target accuracy); a file holding such a choice replaces
 `decoder.min_confidence` unless `decoder.threshold_from_calibration = false`. A profile without a
 calibration file shows no confidence and never abstains: there is nothing measured to base either on.
+A file fitted for another model is not used either (`Calibration.unusable_for`): it names the projector
+file (SHA-256) and `decoder.yes_bias` it was fitted with, and the margins of any other projector or bias
+are not the ones it measured. The app then says the answer's confidence was not measured, and why.
 
 The clinician is not shown the fit's own probability but how often answers with such a confidence
 were right on held-out training images, scored by a fit that had not seen them (the out-of-fold
@@ -76,6 +79,9 @@ class Calibration:
     """Per kind of question, P(right | margin) = sigmoid(a * margin + b)."""
     fits: dict[str, tuple[float, float]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)  # where and how it was fitted (written by the script)
+    # Why the configured file is not in force ("" when it is, or when none was configured): the
+    # pipeline replaces a file fitted for another model by an empty calibration carrying the reason.
+    unused: str = ""
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
@@ -89,6 +95,21 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         body = {"fits": {kind: {"a": a, "b": b} for kind, (a, b) in self.fits.items()}, **self.meta}
         Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+    def unusable_for(self, projector_sha256: str | None, yes_bias: float) -> str:
+        """Why this calibration does not describe a model with this projector file (its SHA-256; None
+        for no file) and `decoder.yes_bias`; "" when it does, or when the file does not say (files
+        fitted with no projector file, or older than these fields)."""
+        fitted = self.meta.get("projector_sha256")
+        if fitted and fitted != projector_sha256:
+            loaded = f"projector {projector_sha256[:12]}…" if projector_sha256 else "no projector file"
+            return (f"fitted with projector {fitted[:12]}… and this model has {loaded}; "
+                    f"refit it with scripts/calibrate_closed.py")
+        fitted_bias = self.meta.get("yes_bias")
+        if fitted_bias is not None and abs(float(fitted_bias) - float(yes_bias)) > 1e-9:
+            return (f"fitted with decoder.yes_bias {float(fitted_bias):g} and this profile uses "
+                    f"{float(yes_bias):g}; refit it with scripts/calibrate_closed.py")
+        return ""
 
     def confidence(self, margin: float, kind: str) -> float | None:
         fit = self.fits.get(kind)
@@ -134,6 +155,18 @@ def load_calibration(path: str) -> Calibration:
         log.warning("no closed-answer calibration at %s: closed answers are shown without a confidence", path)
         return Calibration()
     return Calibration.load(path)
+
+
+def calibration_for(path: str, projector_sha256: str | None, yes_bias: float) -> Calibration:
+    """load_calibration(path), or an empty calibration whose `unused` says why when the file was
+    fitted for another projector or yes_bias (logged)."""
+    calibration = load_calibration(path)
+    reason = calibration.unusable_for(projector_sha256, yes_bias)
+    if reason:
+        log.warning("closed-answer calibration %s not used: it was %s; closed answers are shown without a confidence",
+                    path, reason)
+        return Calibration(unused=reason)
+    return calibration
 
 
 def fit_platt(margins, correct, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, float]:

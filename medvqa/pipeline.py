@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .answers import closed_candidates, normalise, surface_forms
-from .confidence import PRESUPPOSED, YES_NO, leaning_text, load_calibration, question_kind
+from .confidence import PRESUPPOSED, YES_NO, calibration_for, leaning_text, question_kind
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -178,7 +178,10 @@ class Pipeline:
                                      format=FORMATS[settings.decoder.conversation_format],
                                      image_position=model.projector.image_position if model else "before")
         self.turns = TurnTaking()
-        self.calibration = load_calibration(settings.decoder.calibration)
+        # Only a calibration fitted for this projector file and yes_bias; a remote engine's vision side
+        # is not a file of ours, so no file-bound calibration describes it either.
+        self.calibration = calibration_for(settings.decoder.calibration,
+                                           model.projector.sha256 if model else None, settings.decoder.yes_bias)
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
@@ -317,6 +320,8 @@ class Pipeline:
             verdict = self.calibration.judge(scores, threshold, decoder.abstain,
                                              kind=PRESUPPOSED if presupposed else None)
             closed = {"options": scores, **verdict.record()}
+            if verdict.confidence is None and self.calibration.unused:
+                closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
             if presupposed:
                 closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target}
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.

@@ -7,6 +7,7 @@ exported checkpoint needs no renaming.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -33,6 +34,9 @@ class Projector(nn.Module):
         # Where the prompt puts the image it was trained with (prompt.IMAGE_POSITIONS); a loaded file
         # says which, so the pipeline builds its prompts the same way.
         self.image_position = "before"
+        # The SHA-256 of the file loaded (None until one is): a closed-answer calibration names the
+        # projector it was fitted with, and the pipeline uses it only for that projector.
+        self.sha256: str | None = None
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, N, d_v) -> (B, N, d_l)
         return self.linear_2(self.act(self.linear_1(features)))
@@ -69,6 +73,7 @@ class Projector(nn.Module):
                     f"{self.linear_1.out_features} -> text {self.linear_2.out_features}).")
         self.load_state_dict(state)
         self.image_position = meta.get("image_position", "before")
+        self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         return self
 
 

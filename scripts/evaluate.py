@@ -210,6 +210,9 @@ def main() -> None:
             "threshold": threshold, "answered": round(len(kept) / len(closed_rows), 4),
             "accuracy_answered": round(score(kept, main_condition)["closed_accuracy"], 4) if kept else None,
             "unscored": sum(r["confidence"] is None for r in closed_rows)}
+    elif closed_rows and pipeline.calibration.unused:
+        # The configured calibration was fitted for another projector or yes_bias: no abstention figures.
+        summary["abstention_not_measured"] = f"{settings.decoder.calibration} was {pipeline.calibration.unused}"
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
@@ -286,6 +289,8 @@ def _print_table(summary: dict) -> None:
         right = "" if held["accuracy_answered"] is None else f", {pct(held['accuracy_answered'])} % of them right"
         print(f"\nat the calibrated threshold {held['threshold']:g} the app answers {pct(held['answered'])} % of the "
               f"closed questions{right}; it says \"Uncertain\" to the rest")
+    if "abstention_not_measured" in summary:
+        print(f"\nabstention not measured: the calibration file {summary['abstention_not_measured']}")
     if "retrieval_flips" in summary:
         flips = summary["retrieval_flips"]
         print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")

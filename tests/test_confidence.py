@@ -264,3 +264,70 @@ def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
     Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
     assert plot.main([str(path), "-o", str(tmp_path / "older.svg")]) == 0
     assert len(ElementTree.parse(tmp_path / "older.svg").getroot().findall(f"{svg}polyline")) == 1
+
+
+def test_a_calibration_fitted_for_another_projector_or_bias_is_not_used(tmp_path, tiny_pipeline, monkeypatch):
+    """The file names the projector (SHA-256) and yes_bias it was fitted with: any other model's
+    margins are not what it measured, so its answers are shown as not measured, saying why."""
+    import hashlib
+
+    from medvqa.pipeline import Pipeline
+    from medvqa.projector import Projector
+    from medvqa.ui.render import _confidence_html
+    from medvqa.ui.transcript import export_markdown
+
+    weights = tmp_path / "projector.safetensors"
+    tiny_pipeline.model.projector.save(weights)
+    own = tiny_pipeline.model.projector
+    loaded = Projector(own.linear_1.in_features, own.linear_1.out_features, own.linear_2.out_features).load(weights)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert loaded.sha256 == digest and Projector(4, 4, 4).sha256 is None
+    monkeypatch.setattr(own, "sha256", digest)
+    bias = tiny_pipeline.settings.decoder.yes_bias
+
+    def pipeline_with(meta: dict, model=tiny_pipeline.model) -> Pipeline:
+        path = tmp_path / "calibration.json"
+        Calibration({YES_NO: (0.0, 0.0), CHOICE: (0.0, 0.0)}, meta).save(path)
+        settings = copy.deepcopy(tiny_pipeline.settings)
+        settings.decoder.calibration = str(path)
+        return Pipeline(settings, tiny_pipeline.engine, model)
+
+    fitted_here = pipeline_with({"projector_sha256": digest, "yes_bias": bias})
+    assert fitted_here.calibration.fits and not fitted_here.calibration.unused
+    assert pipeline_with({"fitted_on": {"questions": 3}}).calibration.fits  # older files say neither: used
+
+    other = pipeline_with({"projector_sha256": "0" * 64, "yes_bias": bias})
+    assert not other.calibration.fits
+    assert other.calibration.unused.startswith(f"fitted with projector 000000000000… and this model has "
+                                               f"projector {digest[:12]}…")
+    done = _ask(other, "Is the heart enlarged?")[-1]
+    assert done.closed["confidence"] is None and not done.closed["abstained"] and done.answer in ("Yes", "No")
+    assert done.closed["uncalibrated"] == other.calibration.unused
+    assert "not measured for this model (the calibration file was fitted with projector 000000000000…" \
+        in _confidence_html(done.closed)
+    record = {"notice": "n", "exported_at": "t", "profile": "tiny", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": "Is the heart enlarged?", "answer": done.answer, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [],
+                         "closed": {"choice": done.closed["choice"], "abstained": False, "confidence": None,
+                                    "uncalibrated": done.closed["uncalibrated"]}}]}
+    assert "- Confidence: not measured (the calibration file was fitted with projector 000000000000…" \
+        in export_markdown(record)
+
+    moved = pipeline_with({"projector_sha256": digest, "yes_bias": bias + 0.1})
+    assert not moved.calibration.fits and "decoder.yes_bias" in moved.calibration.unused
+    # A model whose vision side is not a file of ours (a remote engine) is not what the file measured.
+    assert "this model has no projector file" in pipeline_with({"projector_sha256": digest}, model=None).calibration.unused
+
+
+def test_the_shipped_calibrations_name_their_own_projector_and_bias():
+    """Each shipped calibration is in force with its profile's projector file and yes_bias."""
+    import hashlib
+
+    from medvqa.config import REPO_ROOT, load_settings
+
+    for env in ({}, {"MEDVQA_CONFIG": str(REPO_ROOT / "weights" / "offline-imagenet" / "config.json")}):
+        settings = load_settings("offline", env=env)
+        calibration = load_calibration(settings.decoder.calibration)
+        projector = (REPO_ROOT / settings.projector.weights).read_bytes()
+        assert calibration.fits and calibration.meta["projector_sha256"]
+        assert calibration.unusable_for(hashlib.sha256(projector).hexdigest(), settings.decoder.yes_bias) == ""

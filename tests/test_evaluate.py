@@ -72,6 +72,16 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
         assert again["abstention"] == {"threshold": 0.4, "answered": 0.0, "accuracy_answered": None, "unscored": 0}
         assert again["closed_accuracy"] == summary["closed_accuracy"]
         assert kept.read_text() == kept_lines  # nothing answered again
+    # A calibration fitted for another projector is not used: no abstention figures, and the reason.
+    calibration.write_text(json.dumps({"fits": {kind: {"a": 0.0, "b": 0.0} for kind in ("yes/no", "choice")},
+                                       "projector_sha256": "0" * 64, "threshold": {"met": True, "min_confidence": 0.4}}))
+    other = subprocess.run(command, cwd=REPO, env=dict(env, MEDVQA_DECODER__CALIBRATION=str(calibration)),
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 0, other.stderr[-2000:]
+    unused = json.loads(other.stdout.strip().splitlines()[-1])
+    assert "abstention" not in unused
+    assert unused["abstention_not_measured"].startswith(f"{calibration} was fitted with projector 000000000000…")
+    assert "abstention not measured: the calibration file" in other.stdout
 
 
 def test_results_are_named_by_the_weights_llama_cpp_runs():

@@ -76,7 +76,9 @@ def _render_answer(answer: _Answer, final: bool) -> str:
 def _confidence_html(closed: dict) -> str:
     """How likely a closed answer is to be right (medvqa/confidence.py), or that nobody measured it."""
     if closed.get("confidence") is None:
-        return ('<div class="medvqa-confidence">Confidence: not measured for this model (no calibration), so '
+        why = ("the calibration file was " + closed["uncalibrated"] if closed.get("uncalibrated")
+               else "no calibration")
+        return (f'<div class="medvqa-confidence">Confidence: not measured for this model ({html.escape(why)}), so '
                 'treat this answer as unverified.</div>')
     if closed.get("held_out"):  # the out-of-fold reliability, from files that carry it
         measured = held_out_text(closed["held_out"])

@@ -165,6 +165,8 @@ class _Answer:
                 **({"closed": {"choice": str(self.closed["choice"]), "abstained": bool(self.closed["abstained"]),
                                "confidence": self.closed["confidence"],
                                **({"held_out": self.closed["held_out"]} if self.closed.get("held_out") else {}),
+                               **({"uncalibrated": str(self.closed["uncalibrated"])}
+                                  if self.closed.get("uncalibrated") else {}),
                                **({"reading": reading} if (reading := reading_text(self.closed)) else {})}}
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}

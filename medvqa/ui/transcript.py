@@ -73,6 +73,8 @@ def export_markdown(record: dict) -> str:
         if turn.get("closed"):
             confidence, held_out = turn["closed"]["confidence"], turn["closed"].get("held_out")
             shown = (held_out_text(held_out) if held_out else
+                     f"not measured (the calibration file was {turn['closed']['uncalibrated']})"
+                     if confidence is None and turn["closed"].get("uncalibrated") else
                      "not measured" if confidence is None else f"{100 * confidence:.0f} %")
             lines += [f"- Confidence: {shown}"
                       + ("; not answered (uncertain)" if turn["closed"]["abstained"] else "")
