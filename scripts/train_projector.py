@@ -4,14 +4,14 @@
         --epochs 1 --max-minutes 60 --out weights/offline
 
 Writes OUT/projector.safetensors and OUT/card.json; OUT/checkpoint.pt lets an interrupted run resume
-(--resume). Image features are cached on disk under the settings' cache folder.
+(--resume, with the same options: the checkpoint records them and refuses others). Image features are
+cached on disk under the settings' cache folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import random
 import sys
@@ -31,8 +31,15 @@ from medvqa.vision import build_vision, pool_tokens
 from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_split, make_example,
                                shared_prefix_length, training_answer)
 from medvqa_train.experimental import add_lora, merge_lora
+from medvqa_train.resume import check_resume, run_options
 from medvqa_train.loss import (Standardized, batch_loss, channel_statistics, lr_at, prefix_cache_tensors,
                                yes_no_accuracy)
+
+
+# Options that may change when a run is resumed: how long it runs, how often it is watched, where it
+# writes, how many threads it uses, where the --init file lies (checked by content). Every other option
+# must match the checkpoint's (medvqa_train.resume).
+FREE_ON_RESUME = ("resume", "max_minutes", "max_steps", "eval_every", "out", "threads", "init")
 
 
 def main() -> None:
@@ -94,7 +101,10 @@ def main() -> None:
     parser.add_argument("--lora-lr", type=float, default=2e-4, help="peak learning rate of the adapters")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT/checkpoint.pt; refused unless the options match the interrupted "
+                             "run's (--init by content), except " + ", ".join("--" + name.replace("_", "-")
+                                                                              for name in FREE_ON_RESUME[1:-1]))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -132,8 +142,10 @@ def main() -> None:
     decoder = LanguageModel.load(settings.decoder, device, dtype, settings.cache_dir, settings.offline, settings.profile)
     projector = build_projector(settings, vision.hidden_size, decoder.hidden_size).to(device)
     n_tokens = settings.vision.pooled_tokens or vision.grid_tokens
+    projector_init_sha256 = None
     if args.init:
         projector.load(args.init)
+        projector_init_sha256 = projector.sha256  # --init is recorded by content: a moved file is the same run
     image_position = args.image_position or projector.image_position
     builder = PromptBuilder(decoder.tokenizer, n_tokens, settings.decoder.context_window, reserve_for_answer=32,
                             image_position=image_position)
@@ -229,8 +241,15 @@ def main() -> None:
     trained = [p for group in groups for p in group["params"]]
     step, elapsed_before, losses, drop_state = 0, 0.0, [], None
     checkpoint_path = out / "checkpoint.pt"
+    # What decides this run's result, defaults made explicit; a resumed run must have the same.
+    options = run_options(args, FREE_ON_RESUME, repeat=repeat, limit=limit,
+                          closed_data=sorted(args.closed_data or range(1, len(args.data) + 1)),
+                          tokens=n_tokens, hidden=settings.projector.hidden_size, image_position=image_position,
+                          **{"--init file (SHA-256)": projector_init_sha256})
+    command = "python " + " ".join(sys.argv)
     if args.resume and checkpoint_path.is_file():
         state = torch.load(checkpoint_path, weights_only=False)
+        check_resume(state.get("options"), options, checkpoint_path, state.get("command"))
         projector.load_state_dict(state["projector"])
         if adapters:
             saved = state.get("lora") or {}
@@ -290,7 +309,8 @@ def main() -> None:
             torch.save({"projector": projector.state_dict(), "lora": lora_state,
                         "optimizer": optimizer.state_dict(), "step": step,
                         "elapsed": elapsed_before + time.time() - started, "losses": losses,
-                        "python_rng": random.getstate(), "drop_rng": drop_rng.getstate()}, checkpoint_path)
+                        "python_rng": random.getstate(), "drop_rng": drop_rng.getstate(),
+                        "options": options, "command": command}, checkpoint_path)
         if args.max_minutes and minutes >= args.max_minutes and step < total_steps:
             stopped_early = True
             break
@@ -308,13 +328,13 @@ def main() -> None:
         "holdout_percent": args.holdout_percent or None,
         "held_out_images": len(left_out_images) if (args.val_by_image or args.holdout_percent) else None,
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "limit": limit, "seed": args.seed, "init": args.init,
-        "init_sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest() if args.init else None,
+        "init_sha256": projector_init_sha256,
         "closed_weight": args.closed_weight, "closed_data": args.closed_data, "contrast_weight": args.contrast_weight,
         "contrast_margin": args.contrast_margin, "lora": args.lora,
         "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "wall_minutes": round(wall / 60, 1), "stopped_by_time_budget": stopped_early,
-        "command": "python " + " ".join(sys.argv),
+        "command": command,
     }
     final = projector.folded() if args.standardize else projector
     final.save(out / "projector.safetensors",

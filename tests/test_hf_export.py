@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from medvqa.config import load_settings
-from medvqa.model import embed_prompt, merge_image_features
-from medvqa.pipeline import Conversation, Done, Sources, Token
-from medvqa.projector import PREFIX, Projector, ProjectorShapeError, map_llava_med_projector
-
-from .conftest import prompt_gate, require_shared_data
+from medvqa.model import embed_prompt
 
 
 def _image(seed: int = 0, shape=(48, 40)) -> np.ndarray:

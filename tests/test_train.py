@@ -232,13 +232,21 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert card["held_out_by_image"] is True and card["held_out"] == 2
     assert card["image_position"] == "after"  # kept from the --init file
 
-    # Resuming that run from its checkpoint continues to the new step count.
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
-         "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
-         str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--repeat", "2",
-         "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned), "--resume"],
-        capture_output=True, text=True, env=env, timeout=600)
+    # Resuming that run from its checkpoint continues to the new step count (--closed-data 1 left out:
+    # with one --data spec that is its default, the same run).
+    resume = [sys.executable, str(REPO / "scripts" / "train_projector.py"), "--profile", "tiny",
+              "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--init",
+              str(out / "projector.safetensors"), "--closed-weight", "1.0", "--contrast-weight", "0.5", "--repeat", "2",
+              "--augment", "2", "--val", "2", "--val-by-image", "--out", str(tuned), "--resume"]
+    # Any option that changes the run is refused, each difference named, before a step is taken.
+    changed = [*resume, "--image-position", "before", "--seed", "1"]
+    refused = subprocess.run(changed, capture_output=True, text=True, env=env, timeout=600)
+    assert refused.returncode != 0 and "belongs to a run with other options" in refused.stderr
+    assert "--image-position: the interrupted run had 'after', this command has 'before'" in refused.stderr
+    assert "--seed: the interrupted run had 0, this command has 1" in refused.stderr
+    assert "The interrupted run's command: python " in refused.stderr and "resumed at" not in refused.stdout
+    assert json.loads((tuned / "card.json").read_text())["steps"] == 2  # nothing written
+    completed = subprocess.run(resume, capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resumed at step 2/3" in completed.stdout
     assert json.loads((tuned / "card.json").read_text())["steps"] == 3
@@ -268,4 +276,4 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
          "--data", f"jsonl:{data}:train", "--batch-size", "4", "--max-steps", "3", "--lora", "2",
          "--out", str(tuned), "--resume"],
         capture_output=True, text=True, env=env, timeout=600)
-    assert completed.returncode != 0 and "holds no adapters" in completed.stderr
+    assert completed.returncode != 0 and "--lora: the interrupted run had 0, this command has 2" in completed.stderr

@@ -143,6 +143,14 @@ def test_train_encoder_end_to_end_to_weights_the_offline_encoder_loads(tmp_path)
     before = (out / "encoder.safetensors").read_bytes()
     assert train_encoder.main(argv + ["--resume"]) == 0
     assert (out / "encoder.safetensors").read_bytes() == before
+    # A resume that would continue another run is refused, naming what differs: an option, or the data
+    # read (by content, so a moved folder is still the same run).
+    with pytest.raises(SystemExit, match="--trunk: the interrupted run had 8, this command has 7"):
+        train_encoder.main(argv + ["--resume", "--trunk", "7"])
+    (rad / "trainset.json").write_text((rad / "trainset.json").read_text().replace("Is this normal?", "Is it normal?"))
+    with pytest.raises(SystemExit, match=r"question files read \(SHA-256\): the interrupted run had"):
+        train_encoder.main(argv + ["--resume"])
+    assert (out / "encoder.safetensors").read_bytes() == before
 
 
 def test_the_feature_cache_key_follows_the_weights_content(tmp_path):
