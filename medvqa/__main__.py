@@ -137,6 +137,7 @@ class _StandIn:
 
 
 def _ask(args) -> int:
+    from .confidence import confidence_text
     from .config import load_settings
     from .imaging import ScanError, open_study, parse_window
     from .injection import check_answer
@@ -165,6 +166,10 @@ def _ask(args) -> int:
                     print(f"WARNING: {finding.warning}")
                 if event.confidence_note:
                     print(f"({event.confidence_note})")
+                elif event.closed and "kind" in event.closed and not event.closed["abstained"]:
+                    # A scored closed answer given, with its confidence as the page shows it ("Uncertain"
+                    # answers already say theirs).
+                    print(f"(Confidence: {confidence_text(event.closed)})")
                 if reading := reading_text(event.closed):
                     print(f"({reading})")
                 if event.passages:

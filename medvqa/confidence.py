@@ -213,6 +213,19 @@ def leaning_text(verdict: Verdict) -> str:
             f"estimated {verdict.confidence:.0%} likely to be right).")
 
 
+def confidence_text(closed: dict) -> str:
+    """A scored closed answer's confidence as plain text (the command line, the exported transcript):
+    the out-of-fold share right, the fitted probability for files without that table, or why it was
+    not measured."""
+    if closed.get("held_out"):
+        return held_out_text(closed["held_out"])
+    if closed.get("confidence") is not None:
+        return f"{100 * closed['confidence']:.0f} %"
+    if closed.get("uncalibrated"):
+        return f"not measured (the calibration file was {closed['uncalibrated']})"
+    return "not measured"
+
+
 def held_out_text(held_out: dict) -> str:
     """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
     return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "

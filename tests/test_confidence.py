@@ -243,6 +243,32 @@ def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch
     assert _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed["abstained"]
 
 
+def test_the_command_line_shows_a_closed_answers_confidence(tiny_pipeline, monkeypatch, tmp_path, capsys):
+    from PIL import Image
+
+    from medvqa.__main__ import main
+    from medvqa.pipeline import Pipeline
+
+    image = tmp_path / "scan.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(image)
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    shown = "answers like this were right 50 % of the time on held-out training images (n = 10)"
+    monkeypatch.setattr(tiny_pipeline, "calibration", Calibration({YES_NO: (0.0, 0.4)}, _out_of_fold_meta()))
+    assert main(["ask", str(image), "Is the heart enlarged?", "--no-retrieval"]) == 0
+    printed = capsys.readouterr().out
+    assert "Uncertain — the model cannot tell from this image (it leans to" in printed and shown in printed
+    assert "(Confidence:" not in printed  # said once, in the answer
+    monkeypatch.setattr(tiny_pipeline, "calibration", Calibration({YES_NO: (0.0, 0.4)},
+                                                                  _out_of_fold_meta({"min_confidence": 0.56, "met": True})))
+    assert main(["ask", str(image), "Is the heart enlarged?", "--no-retrieval"]) == 0
+    printed = capsys.readouterr().out
+    assert "Uncertain" not in printed and f"(Confidence: {shown})" in printed
+    monkeypatch.setattr(tiny_pipeline, "calibration", Calibration(unused="fitted with projector 000000000000… and so on"))
+    assert main(["ask", str(image), "Is the heart enlarged?", "--no-retrieval"]) == 0
+    assert ("(Confidence: not measured (the calibration file was fitted with projector 000000000000… and so on))"
+            in capsys.readouterr().out)
+
+
 def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
     import xml.etree.ElementTree as ElementTree
 

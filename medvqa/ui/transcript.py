@@ -18,7 +18,7 @@ import html
 import json
 from typing import TYPE_CHECKING
 
-from ..confidence import held_out_text
+from ..confidence import confidence_text
 from ..safe_text import inert, safe_url
 from .render import _escape_model_text
 
@@ -71,12 +71,7 @@ def export_markdown(record: dict) -> str:
         if turn["stopped"]:
             lines += ["_(stopped by the user before the answer was complete)_", ""]
         if turn.get("closed"):
-            confidence, held_out = turn["closed"]["confidence"], turn["closed"].get("held_out")
-            shown = (held_out_text(held_out) if held_out else
-                     f"not measured (the calibration file was {turn['closed']['uncalibrated']})"
-                     if confidence is None and turn["closed"].get("uncalibrated") else
-                     "not measured" if confidence is None else f"{100 * confidence:.0f} %")
-            lines += [f"- Confidence: {shown}"
+            lines += [f"- Confidence: {confidence_text(turn['closed'])}"
                       + ("; not answered (uncertain)" if turn["closed"]["abstained"] else "")
                       + (("; the same leaning without the image" if turn["closed"]["abstained"] else
                           "; the same answer without the image")
