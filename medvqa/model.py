@@ -24,7 +24,7 @@ from torch import nn
 from .cache import LRU
 from .config import Settings
 from .projector import Projector, ProjectorShapeError, read_metadata
-from .vision import VisionEncoder, build_vision
+from .vision import VisionEncoder, build_vision, encoder_sha256
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,21 @@ def build_projector(settings: Settings, vision_size: int, text_size: int, image_
     if weights.startswith("hub:"):
         projector.load(_hub_projector(weights[len("hub:"):], settings))
     elif weights and Path(weights).is_file():
-        trained_tokens = read_metadata(weights).get("image_tokens")
+        metadata = read_metadata(weights)
+        trained_tokens = metadata.get("image_tokens")
         if image_tokens and trained_tokens and int(trained_tokens) != image_tokens:
             raise ProjectorShapeError(
                 f"{weights} was trained on {trained_tokens} image tokens but the {settings.profile!r} "
                 f"profile's encoder gives {image_tokens}; set vision.pooled_tokens to {trained_tokens}.")
+        # A projector maps one encoder's features: another encoder of the same width would load and
+        # answer from features it never saw. Files that record their encoder are checked against it.
+        trained_encoder = metadata.get("encoder_sha256")
+        if trained_encoder and (current := encoder_sha256(settings.vision)) != trained_encoder:
+            raise ProjectorShapeError(
+                f"{weights} was trained on the features of encoder {trained_encoder[:12]}… but the "
+                f"{settings.profile!r} profile's encoder ({settings.vision.name_or_path}) is "
+                f"{f'{current[:12]}…' if current else 'not a single weights file'}; set vision.name_or_path "
+                f"to the encoder it was trained with, or retrain it with scripts/train_projector.py.")
         projector.load(weights)
     elif weights:
         log.warning("Projector weights %s not found: answering with an untrained projector. "

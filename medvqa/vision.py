@@ -10,7 +10,9 @@ Both are frozen: parameters never require grad and the module stays in eval mode
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -195,6 +197,13 @@ def pad_fill_for(config: VisionConfig) -> tuple[int, int, int]:
     if config.pad == "mean":
         return pad_colour(_CLIP_MEAN if config.kind == "clip" else EfficientNetLiteEncoder.mean)
     return (0, 0, 0)
+
+
+def encoder_sha256(config: VisionConfig) -> str | None:
+    """The SHA-256 of the encoder's weights file (a projector file records the one it was trained on);
+    None when the weights are not one file (a CLIP folder or hub name)."""
+    path = Path(resolve_path(config.name_or_path))
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def build_vision(config: VisionConfig, device: torch.device, dtype: torch.dtype,

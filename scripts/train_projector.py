@@ -27,7 +27,7 @@ from medvqa.device import pick_device
 from medvqa.language_model import LanguageModel, hub_offline_env, save_plain_copy
 from medvqa.model import build_projector
 from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder
-from medvqa.vision import build_vision, pool_tokens
+from medvqa.vision import build_vision, encoder_sha256, pool_tokens
 from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_split, make_example,
                                shared_prefix_length, training_answer)
 from medvqa_train.experimental import add_lora, merge_lora
@@ -245,7 +245,8 @@ def main() -> None:
     options = run_options(args, FREE_ON_RESUME, repeat=repeat, limit=limit,
                           closed_data=sorted(args.closed_data or range(1, len(args.data) + 1)),
                           tokens=n_tokens, hidden=settings.projector.hidden_size, image_position=image_position,
-                          **{"--init file (SHA-256)": projector_init_sha256})
+                          **{"--init file (SHA-256)": projector_init_sha256,
+                             "encoder weights (SHA-256)": encoder_sha256(settings.vision)})
     command = "python " + " ".join(sys.argv)
     if args.resume and checkpoint_path.is_file():
         state = torch.load(checkpoint_path, weights_only=False)
@@ -321,6 +322,7 @@ def main() -> None:
         "profile": args.profile, "data": args.data, "examples": len(train), "steps": step,
         "planned_steps": total_steps, "epochs": round(step / max(1, steps_per_epoch), 3),
         "batch_size": args.batch_size, "lr": args.lr, "image_tokens": n_tokens, "image_position": image_position,
+        "encoder": settings.vision.name_or_path, "encoder_sha256": encoder_sha256(settings.vision),
         "projector": {"vision": vision.hidden_size, "hidden": settings.projector.hidden_size,
                       "text": decoder.hidden_size},
         "standardize": args.standardize, "match_text_scale": args.match_text_scale, "held_out": len(held_out),
@@ -338,7 +340,8 @@ def main() -> None:
     }
     final = projector.folded() if args.standardize else projector
     final.save(out / "projector.safetensors",
-               metadata={"image_tokens": n_tokens, "steps": step, "image_position": image_position})
+               metadata={"image_tokens": n_tokens, "steps": step, "image_position": image_position,
+                         "encoder_sha256": card["encoder_sha256"]})
     if adapters:
         merge_lora(decoder.model)
         save_plain_copy(decoder.model, decoder.tokenizer, out / "decoder")

@@ -350,6 +350,8 @@ def test_the_shipped_calibrations_name_their_own_projector_and_bias():
     import hashlib
 
     from medvqa.config import REPO_ROOT, load_settings
+    from medvqa.projector import read_metadata
+    from medvqa.vision import encoder_sha256
 
     for env in ({}, {"MEDVQA_CONFIG": str(REPO_ROOT / "weights" / "offline-imagenet" / "config.json")}):
         settings = load_settings("offline", env=env)
@@ -357,3 +359,6 @@ def test_the_shipped_calibrations_name_their_own_projector_and_bias():
         projector = (REPO_ROOT / settings.projector.weights).read_bytes()
         assert calibration.fits and calibration.meta["projector_sha256"]
         assert calibration.unusable_for(hashlib.sha256(projector).hexdigest(), settings.decoder.yes_bias) == ""
+        # The medical projector names the encoder it was trained on (the ImageNet one predates the field).
+        recorded = read_metadata(REPO_ROOT / settings.projector.weights).get("encoder_sha256")
+        assert recorded == (encoder_sha256(settings.vision) if not env else None)

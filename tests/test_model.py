@@ -85,3 +85,30 @@ def test_projector_trained_on_other_token_count_is_refused(tiny_settings, tmp_pa
     with pytest.raises(ProjectorShapeError, match="trained on 49 image tokens.*gives 16"):
         build_projector(settings, 32, 48, image_tokens=16)
     assert build_projector(settings, 32, 48, image_tokens=49) is not None
+
+
+def test_projector_trained_on_another_encoder_is_refused(tiny_settings, tmp_path):
+    """A projector file records the encoder weights it was trained on; another encoder of the same width
+    (the ImageNet EfficientNet-Lite0 under the medical projector, say) is refused, not silently used."""
+    import copy
+    import hashlib
+
+    from medvqa.config import VisionConfig, resolve_path
+    from medvqa.model import build_projector
+    from medvqa.vision import encoder_sha256
+
+    settings = copy.deepcopy(tiny_settings)
+    settings.vision = VisionConfig()  # the ImageNet EfficientNet-Lite0 from its package: one weights file
+    imagenet = hashlib.sha256(open(resolve_path(settings.vision.name_or_path), "rb").read()).hexdigest()
+    assert encoder_sha256(settings.vision) == imagenet
+    assert encoder_sha256(tiny_settings.vision) is None  # the tiny CLIP is a folder: nothing recorded
+    path = tmp_path / "projector.safetensors"
+    settings.projector.weights = str(path)
+    Projector(32, 24, 48).save(path, metadata={"image_tokens": 16, "encoder_sha256": "0" * 64})
+    with pytest.raises(ProjectorShapeError, match=r"trained on the features of encoder 000000000000… but the "
+                                                   r".* profile's encoder \(pkg:.*\) is " + imagenet[:12]):
+        build_projector(settings, 32, 48, image_tokens=16)
+    Projector(32, 24, 48).save(path, metadata={"image_tokens": 16, "encoder_sha256": imagenet})
+    assert build_projector(settings, 32, 48, image_tokens=16).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    Projector(32, 24, 48).save(path, metadata={"image_tokens": 16})  # files from before the field: not checked
+    assert build_projector(settings, 32, 48, image_tokens=16) is not None

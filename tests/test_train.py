@@ -207,6 +207,9 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
     assert all(0.0 <= entry["yes_no_real"] <= 1.0 for entry in watched)
     assert int(read_metadata(out / "projector.safetensors")["steps"]) == 4
     assert card["image_position"] == "after"
+    # The encoder it was trained on is recorded (the tiny CLIP is a folder, so by name only).
+    assert card["encoder"] == tiny_settings.vision.name_or_path and card["encoder_sha256"] is None
+    assert "encoder_sha256" in read_metadata(out / "projector.safetensors")
     projector = Projector(tiny_pipeline.model.vision.hidden_size, tiny_settings.projector.hidden_size,
                           tiny_pipeline.engine.hidden_size)
     projector.load(out / "projector.safetensors")  # the folded file loads as a plain projector
