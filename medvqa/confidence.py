@@ -21,6 +21,12 @@ A file fitted for another model is not used either (`Calibration.unusable_for`):
 file (SHA-256) and `decoder.yes_bias` it was fitted with, and the margins of any other projector or bias
 are not the ones it measured. The app then says the answer's confidence was not measured, and why.
 
+A file may also hold a fit per group of images (`groups`): the held-out questions are dominated by
+PathVQA's stained slides, whose answers are right more often at the same margin than radiology's, so
+one pooled fit and threshold overstate the confidence of answers about grey radiographs. `image_group`
+tells the groups apart by colour (what the model sees, not metadata); an image of a group the file fits
+gets that group's fits, threshold and reliability table (`Calibration.for_image`).
+
 The clinician is not shown the fit's own probability but how often answers with such a confidence
 were right on held-out training images, scored by a fit that had not seen them (the out-of-fold
 reliability table the script stores, `Verdict.held_out`): the in-sample fit grades its own homework.
@@ -44,6 +50,25 @@ CHOICE = "choice"
 # is the named value's score over the best other value's, fitted on its own.
 PRESUPPOSED = "presupposed"
 KINDS = (YES_NO, CHOICE, PRESUPPOSED)
+
+# Image groups a calibration may be fitted for (image_group).
+COLOUR = "colour"
+GREY = "grey"
+# Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
+# On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
+# 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
+COLOUR_DIFFERENCE = 4.0
+
+
+def image_group(image: np.ndarray) -> str:
+    """COLOUR for an image with colour (a stained slide, a photograph), GREY for one without (radiology,
+    shown as grey RGB), judged on the pixels the model sees."""
+    pixels = np.asarray(image)
+    if pixels.ndim < 3 or pixels.shape[-1] < 3:
+        return GREY
+    rgb = pixels[..., :3].astype(np.int16)
+    difference = np.abs(rgb[..., 0] - rgb[..., 1]).mean() + np.abs(rgb[..., 1] - rgb[..., 2]).mean()
+    return COLOUR if difference > COLOUR_DIFFERENCE else GREY
 
 
 def question_kind(options) -> str:
@@ -82,19 +107,45 @@ class Calibration:
     # Why the configured file is not in force ("" when it is, or when none was configured): the
     # pipeline replaces a file fitted for another model by an empty calibration carrying the reason.
     unused: str = ""
+    # Per image group (image_group): that group's fits, threshold and out-of-fold table, in the same
+    # form (its meta names the group); images of other groups, or files without groups, use this one.
+    groups: dict[str, "Calibration"] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
         data = json.loads(Path(path).read_text())
         try:
-            fits = {kind: (float(fit["a"]), float(fit["b"])) for kind, fit in data["fits"].items()}
-        except (KeyError, TypeError, ValueError) as error:
+            return cls._from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"{path} is not a closed-answer calibration (fits: {{kind: {{a, b}}}})") from error
-        return cls(fits, {k: v for k, v in data.items() if k != "fits"})
+
+    @classmethod
+    def _from_dict(cls, data: dict, group: str | None = None) -> "Calibration":
+        fits = {kind: (float(fit["a"]), float(fit["b"])) for kind, fit in data["fits"].items()}
+        meta = {k: v for k, v in data.items() if k not in ("fits", "groups")}
+        if group is not None:
+            meta["group"] = group
+        groups = {name: cls._from_dict(body, name) for name, body in (data.get("groups") or {}).items()}
+        return cls(fits, meta, groups=groups)
+
+    def _to_dict(self) -> dict:
+        body = {"fits": {kind: {"a": a, "b": b} for kind, (a, b) in self.fits.items()},
+                **{k: v for k, v in self.meta.items() if k != "group"}}
+        if self.groups:
+            body["groups"] = {name: group._to_dict() for name, group in self.groups.items()}
+        return body
 
     def save(self, path: str | Path) -> None:
-        body = {"fits": {kind: {"a": a, "b": b} for kind, (a, b) in self.fits.items()}, **self.meta}
-        Path(path).write_text(json.dumps(body, indent=2) + "\n")
+        Path(path).write_text(json.dumps(self._to_dict(), indent=2) + "\n")
+
+    def for_image(self, image: np.ndarray) -> "Calibration":
+        """The calibration for answers about `image`: its group's when the file fits one, else this."""
+        return self.groups.get(image_group(image), self) if self.groups else self
+
+    @property
+    def group(self) -> str | None:
+        """The image group this calibration was fitted for; None for the pooled one."""
+        return self.meta.get("group")
 
     def unusable_for(self, projector_sha256: str | None, yes_bias: float) -> str:
         """Why this calibration does not describe a model with this projector file (its SHA-256; None
@@ -125,7 +176,8 @@ class Calibration:
         for row in self.meta.get("out_of_fold", {}).get("reliability", []):
             low, high = (float(edge) for edge in row["bin"].split("-"))
             if low <= confidence and (confidence < high or high >= 1.0):  # as reliability() bins
-                return {"bin": row["bin"], "accuracy": float(row["accuracy"]), "n": int(row["n"])}
+                found = {"bin": row["bin"], "accuracy": float(row["accuracy"]), "n": int(row["n"])}
+                return {**found, "group": self.group} if self.group else found
         return None
 
     def min_confidence(self, configured: float, from_calibration: bool = True) -> float:
@@ -228,8 +280,10 @@ def confidence_text(closed: dict) -> str:
 
 def held_out_text(held_out: dict) -> str:
     """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
+    images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(held_out.get("group"),
+                                                                                      "training images")
     return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
-            f"training images (n = {held_out['n']})")
+            f"{images} (n = {held_out['n']})")
 
 
 def _sigmoid(z: float) -> float:

@@ -316,10 +316,12 @@ class Pipeline:
             else:
                 choice, scores = self._option_scores(request, candidates)
             decoder = self.settings.decoder
-            threshold = self.calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-            verdict = self.calibration.judge(scores, threshold, decoder.abstain,
-                                             kind=PRESUPPOSED if presupposed else None)
+            calibration = self.calibration.for_image(conversation.image)  # the image group's fit, if any
+            threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+            verdict = calibration.judge(scores, threshold, decoder.abstain, kind=PRESUPPOSED if presupposed else None)
             closed = {"options": scores, **verdict.record()}
+            if calibration.group:
+                closed["calibration_group"] = calibration.group
             if verdict.confidence is None and self.calibration.unused:
                 closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
             if presupposed:

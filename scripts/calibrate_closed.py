@@ -18,6 +18,13 @@ the risk-coverage curve come from those. From the same confidences it chooses th
 threshold: the lowest on a grid (0.50-0.95) at which the answered questions (20 at least) are right
 at least --target-accuracy of the time, so the most are answered at that accuracy; when none reaches
 it the file says so and the app keeps decoder.min_confidence. The last line is JSON.
+
+The same is done for each group of images (medvqa.confidence.image_group: with colour, such as stained
+slides, or grey, such as radiographs) holding at least 200 of the questions: its own fits, out-of-fold
+table and threshold, which the app uses for images of that group (`groups` in the file). The pooled
+fields stay, for images of groups too small to fit and for comparison; `app_out_of_fold` is what the
+app does with both: the share answered and their accuracy, out of fold, each question judged by its
+group's fit and threshold.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import KINDS, Calibration, fit_platt, reliability
+from medvqa.confidence import KINDS, Calibration, fit_platt, image_group, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
+MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
 THRESHOLDS = np.round(np.arange(50, 96) / 100, 2)  # the abstention thresholds the choice is made from
 MIN_ANSWERED = 20  # a threshold answering fewer questions than this measures no accuracy: not chosen
 
@@ -50,7 +58,7 @@ def score_held_out(args, settings) -> dict:
     settings.decoder.abstain = False
     settings.decoder.image_reliance = False
     pipeline = Pipeline.load(settings, with_retrieval=False)
-    rows = {"margin": [], "kind": [], "correct": [], "image": []}
+    rows = {"margin": [], "kind": [], "correct": [], "image": [], "group": []}
     for example in tqdm(closed, desc="held-out closed questions", unit="q", file=sys.stderr):
         conversation = Conversation(image=read_image(example.image))
         done = [e for e in pipeline.ask(conversation, example.question, use_retrieval=False, warm=False)
@@ -60,6 +68,7 @@ def score_held_out(args, settings) -> dict:
         rows["kind"].append(done.closed["kind"])
         rows["correct"].append(bool(closed_correct(done.closed["choice"], example.answer)))
         rows["image"].append(str(example.image))
+        rows["group"].append(image_group(conversation.image))
     return {key: np.asarray(value) for key, value in rows.items()}
 
 
@@ -96,6 +105,18 @@ def accuracy_by_kind(args, scores: dict) -> dict:
     return table
 
 
+def groups_by_data(args, scores: dict) -> dict:
+    """How many held-out closed questions of each --data spec fall in each image group."""
+    questions = held_out_closed(args)
+    if len(questions) != len(scores["group"]):  # not the questions the scores were made with
+        return {}
+    table: dict[str, dict[str, int]] = {}
+    for (spec, _), group in zip(questions, scores["group"].tolist()):
+        table.setdefault(spec, {}).setdefault(group, 0)
+        table[spec][group] += 1
+    return table
+
+
 def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibration:
     pooled = fit_platt(margin, correct)
     fits = {}
@@ -118,6 +139,67 @@ def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
         for i in np.flatnonzero(~rest):
             confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]))
     return confidence
+
+
+def image_groups(paths) -> np.ndarray:
+    """image_group of each image file (scores saved before the groups were kept)."""
+    from medvqa.datasets import read_image
+
+    seen: dict[str, str] = {}
+    for path in map(str, paths):
+        if path not in seen:
+            seen[path] = image_group(read_image(path))
+    return np.asarray([seen[str(path)] for path in paths])
+
+
+def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tuple[Calibration, np.ndarray]]:
+    """Per image group with MIN_PER_GROUP questions or more: its fit (meta: what it was fitted on, its
+    out-of-fold table and chosen threshold) and its questions' out-of-fold confidences."""
+    fitted = {}
+    for name in sorted(set(scores["group"].tolist())):
+        mine = scores["group"] == name
+        if mine.sum() < MIN_PER_GROUP:
+            continue
+        part = {key: value[mine] for key, value in scores.items()}
+        correct = part["correct"]
+        calibration = fit(part["margin"], part["kind"], correct)
+        held = out_of_fold(part)
+        calibration.meta = {
+            "questions": int(mine.sum()), "images": distinct_images(part["image"].tolist()),
+            "by_kind": {kind: int((part["kind"] == kind).sum()) for kind in KINDS},
+            "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
+                            "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
+            "threshold": choose_threshold(held, correct, target), "group": name}
+        fitted[name] = (calibration, held)
+    return fitted
+
+
+def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict) -> dict:
+    """What the app does out of fold: each question judged by its group's confidence and threshold
+    (the pooled ones for a group without a fit)."""
+    confidence, bar = held.copy(), np.full(len(held), threshold)
+    for name, (calibration, group_held) in fitted.items():
+        mine = scores["group"] == name
+        confidence[mine] = group_held
+        chosen = calibration.meta["threshold"]
+        bar[mine] = chosen["min_confidence"] if chosen["met"] else threshold
+    kept, correct = confidence >= bar, scores["correct"]
+    result = {"answered": round(float(kept.mean()), 4),
+              "accuracy_answered": round(float(correct[kept].mean()), 4) if kept.any() else None,
+              "thresholds": {name: float(bar[scores["group"] == name][0]) for name in fitted}}
+    if "data" in scores:  # per --data spec, with the pooled fit and threshold alone for comparison
+        pooled = held >= threshold
+        result["by_data"] = {}
+        for spec in sorted(set(scores["data"].tolist())):
+            mine = scores["data"] == spec
+            result["by_data"][spec] = {
+                "questions": int(mine.sum()),
+                "answered": round(float(kept[mine].mean()), 4),
+                "accuracy_answered": round(float(correct[mine & kept].mean()), 4) if (mine & kept).any() else None,
+                "pooled_answered": round(float(pooled[mine].mean()), 4),
+                "pooled_accuracy_answered": (round(float(correct[mine & pooled].mean()), 4)
+                                             if (mine & pooled).any() else None)}
+    return result
 
 
 def summary_at(confidence: np.ndarray, correct: np.ndarray, threshold: float) -> dict:
@@ -193,11 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         scores = score_held_out(args, settings)
         Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
         np.savez(args.scores, **scores)
+    if "group" not in scores:  # scores kept before the image groups were: from the image files
+        scores["group"] = image_groups(scores["image"])
     margin, kind, correct = scores["margin"].astype(float), scores["kind"], scores["correct"].astype(bool)
+    scores = {**scores, "margin": margin, "correct": correct}
     calibration = fit(margin, kind, correct)
     in_sample = np.asarray([calibration.confidence(float(m), str(k)) for m, k in zip(margin, kind)])
-    held = out_of_fold({**scores, "margin": margin, "correct": correct})
+    held = out_of_fold(scores)
     configured = settings.decoder.min_confidence
+    fitted = fit_groups(scores, configured, args.target_accuracy)
+    calibration.groups = {name: group for name, (group, _) in fitted.items()}
     projector = Path(settings.projector.weights)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
@@ -210,8 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
                         "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
         "threshold": choose_threshold(held, correct, args.target_accuracy),
+        "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
+        "groups_by_data": groups_by_data(args, scores),
         "command": "python " + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }
+    chosen = calibration.meta["threshold"]
+    questions = held_out_closed(args)
+    if len(questions) == len(correct):  # the questions the scores were made with: their data specs
+        scores["data"] = np.asarray([spec for spec, _ in questions])
+    calibration.meta["app_out_of_fold"] = app_out_of_fold(
+        scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted)
     out.parent.mkdir(parents=True, exist_ok=True)
     calibration.save(out)
     print(f"{len(correct)} held-out closed questions on {calibration.meta['fitted_on']['images']} images; "
@@ -223,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     by_kind = accuracy_by_kind(args, scores)
     summary = {key: value for key, value in calibration.meta["out_of_fold"].items() if key != "risk_coverage"}
     print(json.dumps({"fits": {k: {"a": round(a, 4), "b": round(b, 4)} for k, (a, b) in calibration.fits.items()},
-                      "out_of_fold": summary, "threshold": calibration.meta["threshold"], "accuracy_by_kind": by_kind}))
+                      "out_of_fold": summary, "threshold": calibration.meta["threshold"],
+                      "groups": {name: {"questions": group.meta["questions"], "threshold": group.meta["threshold"]}
+                                 for name, group in calibration.groups.items()},
+                      "app_out_of_fold": calibration.meta["app_out_of_fold"], "accuracy_by_kind": by_kind}))
     return 0
 
 

@@ -173,9 +173,15 @@ def main() -> None:
         if condition in args.conditions:
             summary[condition] = score(rows, condition)
     closed_rows = [r for r in rows if r["answer_type"] == "CLOSED"]
-    for r in closed_rows:
-        r["confidence"] = (None if r.get("margin") is None
-                           else pipeline.calibration.confidence(r["margin"], r["closed_kind"]))
+    decoder = settings.decoder
+    for example, r in zip(examples, rows):
+        if r["answer_type"] == "CLOSED":
+            # As the app judges it: the fit and threshold of the image's group when the file has groups.
+            calibration = (pipeline.calibration.for_image(image(example.image)) if pipeline.calibration.groups
+                           else pipeline.calibration)
+            r["confidence"] = None if r.get("margin") is None else calibration.confidence(r["margin"], r["closed_kind"])
+            r["threshold"] = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+            r["calibration_group"] = calibration.group or "all"
     free = bool(closed_rows) and all("retrieval_free" in r for r in closed_rows)  # only run with retrieval
     if free:
         summary["closed_accuracy_free_generation"] = score(closed_rows, "retrieval_free")["closed_accuracy"]
@@ -203,13 +209,23 @@ def main() -> None:
     if closed_rows and any(r["confidence"] is not None for r in closed_rows):
         # What the app does with these answers: below the calibrated threshold it says "Uncertain"
         # (an answer without a confidence, a closed question answered in free text, is given).
-        threshold = pipeline.calibration.min_confidence(settings.decoder.min_confidence,
-                                                        settings.decoder.threshold_from_calibration)
-        kept = [r for r in closed_rows if r["confidence"] is None or r["confidence"] >= threshold]
+        thresholds = {r["calibration_group"]: r["threshold"] for r in closed_rows}
+        kept = [r for r in closed_rows if r["confidence"] is None or r["confidence"] >= r["threshold"]]
         summary["abstention"] = {
-            "threshold": threshold, "answered": round(len(kept) / len(closed_rows), 4),
+            # One number, or one per image group met when the calibration fits groups.
+            "threshold": thresholds["all"] if set(thresholds) == {"all"} else dict(sorted(thresholds.items())),
+            "answered": round(len(kept) / len(closed_rows), 4),
             "accuracy_answered": round(score(kept, main_condition)["closed_accuracy"], 4) if kept else None,
             "unscored": sum(r["confidence"] is None for r in closed_rows)}
+        if set(thresholds) != {"all"}:
+            summary["abstention"]["by_group"] = {}
+            for group in sorted(thresholds):
+                mine = [r for r in closed_rows if r["calibration_group"] == group]
+                answered = [r for r in mine if r["confidence"] is None or r["confidence"] >= r["threshold"]]
+                summary["abstention"]["by_group"][group] = {
+                    "n": len(mine), "answered": round(len(answered) / len(mine), 4),
+                    "accuracy_answered": (round(score(answered, main_condition)["closed_accuracy"], 4)
+                                          if answered else None)}
     elif closed_rows and pipeline.calibration.unused:
         # The configured calibration was fitted for another projector or yes_bias: no abstention figures.
         summary["abstention_not_measured"] = f"{settings.decoder.calibration} was {pipeline.calibration.unused}"
@@ -287,7 +303,9 @@ def _print_table(summary: dict) -> None:
     if "abstention" in summary:
         held = summary["abstention"]
         right = "" if held["accuracy_answered"] is None else f", {pct(held['accuracy_answered'])} % of them right"
-        print(f"\nat the calibrated threshold {held['threshold']:g} the app answers {pct(held['answered'])} % of the "
+        at = (f"the calibrated threshold {held['threshold']:g}" if not isinstance(held["threshold"], dict) else
+              "the calibrated thresholds " + ", ".join(f"{g} {t:g}" for g, t in held["threshold"].items()))
+        print(f"\nat {at} the app answers {pct(held['answered'])} % of the "
               f"closed questions{right}; it says \"Uncertain\" to the rest")
     if "abstention_not_measured" in summary:
         print(f"\nabstention not measured: the calibration file {summary['abstention_not_measured']}")

@@ -7,6 +7,9 @@ its image): the reliability diagram (per bin, mean confidence against the share 
 count; on the diagonal a confidence means what it says) and the risk-coverage curve (answering only
 the most confident questions: the share answered against their accuracy), with the abstention
 threshold the app uses marked. A file older than the curve draws the first panel only.
+`--group grey|colour` draws the fit of one image group instead (the one the app uses for such images):
+
+    python scripts/plot_calibration.py --group grey -o docs/calibration-grey.svg
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("calibration", nargs="?", default=None,
                         help="calibration JSON (default: the offline profile's decoder.calibration)")
     parser.add_argument("-o", "--output", type=Path, default=Path("docs/calibration.svg"), help="the SVG file to write")
+    parser.add_argument("--group", default=None, help="an image group's fit (grey, colour) instead of the pooled one")
     args = parser.parse_args(argv)
     if args.calibration is None:
         from medvqa.config import load_settings
@@ -113,8 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         args.calibration = load_settings("offline").decoder.calibration
     calibration = json.loads(Path(args.calibration).read_text())
     fitted = calibration.get("fitted_on", {})
+    if args.group is not None:
+        groups = calibration.get("groups") or {}
+        if args.group not in groups:
+            raise SystemExit(f"{args.calibration} has no fit for image group {args.group!r} "
+                             f"(it has: {', '.join(sorted(groups)) or 'none'})")
+        calibration = fitted = groups[args.group]
+    images = f"{args.group} training images" if args.group else "training images"
     title = (f"{Path(args.calibration).name}: {fitted.get('questions', '?')} held-out closed questions "
-             f"on {fitted.get('images', '?')} training images")
+             f"on {fitted.get('images', '?')} {images}")
     args.output.write_text(svg(calibration, title))
     print(f"wrote {args.output}")
     return 0

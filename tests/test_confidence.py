@@ -156,9 +156,22 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     assert PRESUPPOSED not in by_kind  # the tiny profile scores Yes against No
     assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0
     assert load_calibration(str(out)).fits  # the app reads what the script wrote
-    # --reuse refits from the saved scores without the model.
-    assert script.main(["--reuse", "--out", str(out), "--scores", str(tmp_path / "scores.npz"),
-                        "--val-by-image"]) == 0
+    # Each question's image group is kept with its score; groups this small get no fit of their own.
+    assert set(kept["group"].tolist()) == {"grey"} and saved["group_sizes"] == {"grey": len(kept["group"])}
+    assert "groups" not in saved and saved["app_out_of_fold"]["thresholds"] == {}
+    (spec, counts), = saved["groups_by_data"].items()
+    assert counts == {"grey": len(kept["group"])} and set(saved["app_out_of_fold"]["by_data"]) == {spec}
+    assert saved["app_out_of_fold"]["by_data"][spec]["questions"] == len(kept["group"])
+    # With a lower bar the grey images get their own fit, which the app then uses for them.
+    monkeypatch.setattr(script, "MIN_PER_GROUP", 2)
+    # --reuse refits from the saved scores without the model (scores kept before the groups: from the images).
+    older = tmp_path / "older.npz"
+    np.savez(older, **{key: kept[key] for key in kept.files if key != "group"})
+    assert script.main(["--reuse", "--out", str(out), "--scores", str(older), "--val-by-image"]) == 0
+    regrouped = load_calibration(str(out))
+    assert set(regrouped.groups) == {"grey"} and regrouped.groups["grey"].group == "grey"
+    assert regrouped.for_image(np.zeros((8, 8, 3), np.uint8)) is regrouped.groups["grey"]
+    assert regrouped.groups["grey"].meta["questions"] == len(kept["group"])
 
 
 def _bins_of_ten(right_per_bin=(5, 6, 9, 10), confidences=(0.55, 0.65, 0.75, 0.85)):
@@ -285,6 +298,14 @@ def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
     assert root.tag == f"{svg}svg" and len(root.findall(f"{svg}polyline")) == 2  # reliability, risk-coverage
     texts = [text.text for text in root.iter(f"{svg}text")]
     assert "n = 10" in texts and "chosen min_confidence 0.56" in texts
+    # One image group's fit, on request; a group the file does not fit is refused with the ones it has.
+    grey = Calibration({YES_NO: (1.0, 0.0)}, {**meta, "questions": 40, "images": 9})
+    Calibration({YES_NO: (1.0, 0.0)}, meta, groups={"grey": grey}).save(path)
+    assert plot.main([str(path), "--group", "grey", "-o", str(tmp_path / "grey.svg")]) == 0
+    texts = [text.text for text in ElementTree.parse(tmp_path / "grey.svg").getroot().iter(f"{svg}text")]
+    assert any("40 held-out closed questions on 9 grey training images" in (text or "") for text in texts)
+    with pytest.raises(SystemExit, match="no fit for image group 'colour' \\(it has: grey\\)"):
+        plot.main([str(path), "--group", "colour", "-o", str(tmp_path / "colour.svg")])
     # An older file (no curve, no threshold): the reliability panel alone.
     del meta["out_of_fold"]["risk_coverage"], meta["threshold"]
     Calibration({YES_NO: (1.0, 0.0)}, meta).save(path)
@@ -362,3 +383,42 @@ def test_the_shipped_calibrations_name_their_own_projector_and_bias():
         # The medical projector names the encoder it was trained on (the ImageNet one predates the field).
         recorded = read_metadata(REPO_ROOT / settings.projector.weights).get("encoder_sha256")
         assert recorded == (encoder_sha256(settings.vision) if not env else None)
+
+
+def test_image_groups_and_a_calibration_per_group(tiny_pipeline, tmp_path, monkeypatch):
+    """A grey radiograph and a stained slide are told apart by their pixels, and a file fitted per group
+    judges each image's answers by its group's fit, threshold and out-of-fold table."""
+    from medvqa.confidence import COLOUR, GREY, image_group
+
+    grey = np.repeat(np.random.default_rng(0).integers(0, 256, (20, 20, 1), dtype=np.uint8), 3, axis=2)
+    slide = np.stack([np.full((20, 20), 200), np.full((20, 20), 120), np.full((20, 20), 180)], -1).astype(np.uint8)
+    assert image_group(grey) == GREY and image_group(grey[..., 0]) == GREY and image_group(slide) == COLOUR
+    assert image_group(np.clip(grey.astype(int) + [0, 1, 0], 0, 255).astype(np.uint8)) == GREY  # JPEG-like noise
+
+    pooled = Calibration({YES_NO: (0.0, 0.0)}, _out_of_fold_meta({"min_confidence": 0.7, "met": True}))
+    pooled.groups = {COLOUR: Calibration({YES_NO: (0.0, 5.0)}, {"group": COLOUR,
+                                                                 "threshold": {"min_confidence": 0.9, "met": True}}),
+                     GREY: Calibration({YES_NO: (0.0, -5.0)}, {"group": GREY})}
+    path = tmp_path / "calibration.json"
+    pooled.save(path)
+    loaded = load_calibration(str(path))
+    assert set(loaded.groups) == {COLOUR, GREY} and loaded.group is None
+    assert loaded.for_image(slide).fits == {YES_NO: (0.0, 5.0)} and loaded.for_image(slide).min_confidence(0.7) == 0.9
+    assert loaded.for_image(grey).group == GREY and loaded.for_image(grey).min_confidence(0.7) == 0.7
+    assert "group" not in json.loads(path.read_text())["groups"][GREY]  # the key names it
+    assert Calibration({YES_NO: (0.0, 0.0)}).for_image(slide).group is None  # no groups: the pooled fit
+
+    monkeypatch.setattr(tiny_pipeline, "calibration", loaded)
+    done = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]  # _ask's image is coloured noise
+    assert done.closed["calibration_group"] == COLOUR and done.closed["confidence"] > 0.99
+    assert not done.closed["abstained"]
+    grey_done = list(tiny_pipeline.ask(Conversation(image=grey), "Is the heart enlarged?", use_retrieval=False,
+                                       warm=False))[-1]
+    assert grey_done.closed["calibration_group"] == GREY and grey_done.closed["abstained"]
+    # The out-of-fold share shown is the group's, and says so.
+    monkeypatch.setattr(loaded.groups[GREY], "meta", {**_out_of_fold_meta(), "group": GREY})
+    monkeypatch.setattr(loaded.groups[GREY], "fits", {YES_NO: (0.0, 0.4)})  # 0.599: the 0.5-0.6 bin
+    grey_done = list(tiny_pipeline.ask(Conversation(image=grey), "Is the heart enlarged?", use_retrieval=False,
+                                       warm=False))[-1]
+    assert grey_done.closed["held_out"]["group"] == GREY
+    assert "right 50 % of the time on held-out grey training images (n = 10)" in grey_done.answer

@@ -72,6 +72,18 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
         assert again["abstention"] == {"threshold": 0.4, "answered": 0.0, "accuracy_answered": None, "unscored": 0}
         assert again["closed_accuracy"] == summary["closed_accuracy"]
         assert kept.read_text() == kept_lines  # nothing answered again
+    # A calibration with a fit per image group: each answer judged by its image's group (all grey here).
+    calibration.write_text(json.dumps({"fits": {kind: {"a": 0.0, "b": -10.0} for kind in ("yes/no", "choice")},
+                                       "threshold": {"met": True, "min_confidence": 0.4},
+                                       "groups": {"grey": {"fits": {"yes/no": {"a": 0.0, "b": 0.0}},
+                                                           "threshold": {"met": True, "min_confidence": 0.3}}}}))
+    grouped = subprocess.run(command, cwd=REPO, env=dict(env, MEDVQA_DECODER__CALIBRATION=str(calibration)),
+                             capture_output=True, text=True, timeout=600)
+    assert grouped.returncode == 0, grouped.stderr[-2000:]
+    held = json.loads(grouped.stdout.strip().splitlines()[-1])["abstention"]
+    assert held["threshold"] == {"grey": 0.3} and held["answered"] == 1.0  # sigmoid(0) = 0.5 >= 0.3
+    assert held["by_group"] == {"grey": {"n": 3, "answered": 1.0, "accuracy_answered": held["accuracy_answered"]}}
+    assert "at the calibrated thresholds grey 0.3 the app answers 100.0 %" in grouped.stdout
     # A calibration fitted for another projector is not used: no abstention figures, and the reason.
     calibration.write_text(json.dumps({"fits": {kind: {"a": 0.0, "b": 0.0} for kind in ("yes/no", "choice")},
                                        "projector_sha256": "0" * 64, "threshold": {"met": True, "min_confidence": 0.4}}))
