@@ -142,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "abstention_rate": round(sum(a for a, _ in answered_rows) / len(answered_rows), 4) if answered_rows else None,
         "accuracy_answered": (round(sum(c for a, c in answered_rows if not a) / answered, 4)
                               if (answered := sum(not a for a, _ in answered_rows)) else None),
-        "min_confidence": (pipeline.calibration.min_confidence(settings.decoder.min_confidence,
-                                                               settings.decoder.threshold_from_calibration)
-                           if pipeline.calibration.fits else None),
+        # The abstention threshold: one number, or one per image group the calibration fits.
+        "min_confidence": _thresholds(pipeline.calibration, settings.decoder),
         "image_reliance": {"flagged": round(len(flagged) / max(1, len(reliance_rows)), 4),
                            "accuracy_flagged": round(sum(flagged) / len(flagged), 4) if flagged else None,
                            "accuracy_unflagged": round(sum(unflagged) / len(unflagged), 4) if unflagged else None},
@@ -220,6 +219,19 @@ def _write(summary: dict, path: str | None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
+
+
+
+def _thresholds(calibration, decoder):
+    """The app's abstention threshold (None without a calibration); {group: threshold} for a file
+    fitted per image group (medvqa/confidence.py)."""
+    if not calibration.fits:
+        return None
+    pooled = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+    if calibration.groups:  # images of a group the file does not fit get the pooled threshold
+        return {**{name: group.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+                   for name, group in sorted(calibration.groups.items())}, "other images": pooled}
+    return pooled
 
 
 if __name__ == "__main__":

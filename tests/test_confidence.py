@@ -422,3 +422,14 @@ def test_image_groups_and_a_calibration_per_group(tiny_pipeline, tmp_path, monke
                                        warm=False))[-1]
     assert grey_done.closed["held_out"]["group"] == GREY
     assert "right 50 % of the time on held-out grey training images (n = 10)" in grey_done.answer
+
+
+def test_evaluate_grounding_reports_the_threshold_of_each_image_group(tiny_settings):
+    thresholds = load_script("evaluate_grounding")._thresholds
+    decoder = tiny_settings.decoder
+    assert thresholds(Calibration(), decoder) is None  # no calibration, no threshold
+    pooled = Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"min_confidence": 0.66, "met": True}})
+    assert thresholds(pooled, decoder) == 0.66
+    pooled.groups = {"grey": Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"min_confidence": 0.72, "met": True}}),
+                     "colour": Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"met": False}})}
+    assert thresholds(pooled, decoder) == {"colour": decoder.min_confidence, "grey": 0.72, "other images": 0.66}
