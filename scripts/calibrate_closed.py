@@ -105,13 +105,13 @@ def accuracy_by_kind(args, scores: dict) -> dict:
     return table
 
 
-def groups_by_data(args, scores: dict) -> dict:
-    """How many held-out closed questions of each --data spec fall in each image group."""
-    questions = held_out_closed(args)
-    if len(questions) != len(scores["group"]):  # not the questions the scores were made with
+def groups_by_data(scores: dict) -> dict:
+    """How many held-out closed questions of each --data spec fall in each image group ({} when the
+    scores' data specs are not known)."""
+    if "data" not in scores:
         return {}
     table: dict[str, dict[str, int]] = {}
-    for (spec, _), group in zip(questions, scores["group"].tolist()):
+    for spec, group in zip(scores["data"].tolist(), scores["group"].tolist()):
         table.setdefault(spec, {}).setdefault(group, 0)
         table[spec][group] += 1
     return table
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     in_sample = np.asarray([calibration.confidence(float(m), str(k)) for m, k in zip(margin, kind)])
     held = out_of_fold(scores)
     configured = settings.decoder.min_confidence
+    questions = held_out_closed(args)
+    if len(questions) == len(correct):  # the questions the scores were made with: their data specs
+        scores["data"] = np.asarray([spec for spec, _ in questions])
     fitted = fit_groups(scores, configured, args.target_accuracy)
     calibration.groups = {name: group for name, (group, _) in fitted.items()}
     projector = Path(settings.projector.weights)
@@ -298,13 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                         "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
         "threshold": choose_threshold(held, correct, args.target_accuracy),
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
-        "groups_by_data": groups_by_data(args, scores),
+        "groups_by_data": groups_by_data(scores),
         "command": "python " + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     chosen = calibration.meta["threshold"]
-    questions = held_out_closed(args)
-    if len(questions) == len(correct):  # the questions the scores were made with: their data specs
-        scores["data"] = np.asarray([spec for spec, _ in questions])
     calibration.meta["app_out_of_fold"] = app_out_of_fold(
         scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted)
     out.parent.mkdir(parents=True, exist_ok=True)
