@@ -60,9 +60,10 @@ OBJECTIVES = ("answer", "organs", "cells", "modality", "region")
 
 
 # Options that may change when a run is resumed (how many threads, where the caches and the result go,
-# where the data and starting weights lie: those are checked by content). Every other option must match
+# where the data, organ boxes and starting weights lie: those are checked by content). Every other option must match
 # the checkpoint's (medvqa_train.resume).
-FREE_ON_RESUME = ("resume", "threads", "work", "out", "slake", "vqa_rad", "pathvqa", "encoder_weights")
+FREE_ON_RESUME = ("resume", "threads", "work", "out", "slake", "slake_annotations", "vqa_rad", "pathvqa",
+                  "encoder_weights")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -340,8 +341,11 @@ def main(argv=None) -> int:
     checkpoint = checkpoint_path(work, out_dir)
     # What decides the result, the data and starting weights by content; a resumed run must have the same.
     start_sha256 = hashlib.sha256(Path(resolve_path(args.encoder_weights)).read_bytes()).hexdigest()
-    options = run_options(args, FREE_ON_RESUME, **{"question files read (SHA-256)": data_hashes(sources),
-                                                   "--encoder-weights file (SHA-256)": start_sha256})
+    organ_boxes = json.dumps([(r.key, r.organs) for r in records], sort_keys=True)  # from --slake-annotations
+    options = run_options(args, FREE_ON_RESUME, **{
+        "question files read (SHA-256)": data_hashes(sources),
+        "organ boxes read (SHA-256)": hashlib.sha256(organ_boxes.encode()).hexdigest(),
+        "--encoder-weights file (SHA-256)": start_sha256})
     command = "python " + " ".join(["scripts/train_encoder.py", *(argv if argv is not None else sys.argv[1:])])
     if args.resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)

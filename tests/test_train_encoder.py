@@ -147,6 +147,12 @@ def test_train_encoder_end_to_end_to_weights_the_offline_encoder_loads(tmp_path)
     # read (by content, so a moved folder is still the same run).
     with pytest.raises(SystemExit, match="--trunk: the interrupted run had 8, this command has 7"):
         train_encoder.main(argv + ["--resume", "--trunk", "7"])
+    boxes = next(annotations.glob("xmlab*/detection.json"))
+    kept_boxes = boxes.read_text()
+    boxes.write_text(kept_boxes.replace("5.0, 5.0", "6.0, 5.0"))
+    with pytest.raises(SystemExit, match=r"organ boxes read \(SHA-256\): the interrupted run had"):
+        train_encoder.main(argv + ["--resume"])
+    boxes.write_text(kept_boxes)
     (rad / "trainset.json").write_text((rad / "trainset.json").read_text().replace("Is this normal?", "Is it normal?"))
     with pytest.raises(SystemExit, match=r"question files read \(SHA-256\): the interrupted run had"):
         train_encoder.main(argv + ["--resume"])
