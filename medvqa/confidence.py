@@ -140,7 +140,12 @@ class Calibration:
 
     def for_image(self, image: np.ndarray) -> "Calibration":
         """The calibration for answers about `image`: its group's when the file fits one, else this."""
-        return self.groups.get(image_group(image), self) if self.groups else self
+        return self.for_group(image_group(image)) if self.groups else self
+
+    def for_group(self, group: str) -> "Calibration":
+        """The calibration for answers about an image of `group` (image_group): that group's fit when the
+        file has one, else this."""
+        return self.groups.get(group, self)
 
     @property
     def group(self) -> str | None:

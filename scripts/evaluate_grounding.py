@@ -221,7 +221,6 @@ def _write(summary: dict, path: str | None) -> None:
     print(json.dumps(summary))
 
 
-
 def _thresholds(calibration, decoder):
     """The app's abstention threshold (None without a calibration); {group: threshold} for a file
     fitted per image group (medvqa/confidence.py)."""

@@ -407,6 +407,11 @@ def test_image_groups_and_a_calibration_per_group(tiny_pipeline, tmp_path, monke
     assert loaded.for_image(grey).group == GREY and loaded.for_image(grey).min_confidence(0.7) == 0.7
     assert "group" not in json.loads(path.read_text())["groups"][GREY]  # the key names it
     assert Calibration({YES_NO: (0.0, 0.0)}).for_image(slide).group is None  # no groups: the pooled fit
+    # A conversation works its image's group out once per image assigned (closed answers read it).
+    conversation = Conversation(image=slide)
+    assert conversation.image_group == COLOUR and conversation.__dict__["_image_group"] == COLOUR
+    conversation.image = grey
+    assert conversation.image_group == GREY
 
     monkeypatch.setattr(tiny_pipeline, "calibration", loaded)
     done = _ask(tiny_pipeline, "Is the heart enlarged?")[-1]  # _ask's image is coloured noise
