@@ -49,7 +49,10 @@ CHOICE = "choice"
 # A yes/no question scored through the open question it presupposes (medvqa/presuppose.py): its margin
 # is the named value's score over the best other value's, fitted on its own.
 PRESUPPOSED = "presupposed"
-KINDS = (YES_NO, CHOICE, PRESUPPOSED)
+# A yes/no question answered by the encoder's answer head (decoder.closed_answerer "encoder_head"): its
+# margin is the head's Yes-minus-No logit, fitted on its own.
+HEAD = "head"
+KINDS = (YES_NO, CHOICE, PRESUPPOSED, HEAD)
 
 # Image groups a calibration may be fitted for (image_group).
 COLOUR = "colour"
@@ -152,10 +155,17 @@ class Calibration:
         """The image group this calibration was fitted for; None for the pooled one."""
         return self.meta.get("group")
 
-    def unusable_for(self, projector_sha256: str | None, yes_bias: float) -> str:
+    def unusable_for(self, projector_sha256: str | None, yes_bias: float, answer_head_sha256: str | None = None) -> str:
         """Why this calibration does not describe a model with this projector file (its SHA-256; None
-        for no file) and `decoder.yes_bias`; "" when it does, or when the file does not say (files
-        fitted with no projector file, or older than these fields)."""
+        for no file), `decoder.yes_bias` and yes/no answerer (the answer head's file SHA-256 with
+        decoder.closed_answerer "encoder_head", None for the decoder); "" when it does, or when the file
+        does not say (files fitted with no projector file, or older than these fields)."""
+        fitted_head = self.meta.get("answer_head_sha256")
+        if fitted_head != answer_head_sha256 and (fitted_head or answer_head_sha256):
+            fitted_with = f"answer head {fitted_head[:12]}…" if fitted_head else "the decoder"
+            answering = f"answer head {answer_head_sha256[:12]}…" if answer_head_sha256 else "the decoder"
+            return (f"fitted with {fitted_with} answering yes/no questions and this profile answers them with "
+                    f"{answering}; refit it with scripts/calibrate_closed.py")
         fitted = self.meta.get("projector_sha256")
         if fitted and fitted != projector_sha256:
             loaded = f"projector {projector_sha256[:12]}…" if projector_sha256 else "no projector file"
@@ -214,11 +224,12 @@ def load_calibration(path: str) -> Calibration:
     return Calibration.load(path)
 
 
-def calibration_for(path: str, projector_sha256: str | None, yes_bias: float) -> Calibration:
+def calibration_for(path: str, projector_sha256: str | None, yes_bias: float,
+                    answer_head_sha256: str | None = None) -> Calibration:
     """load_calibration(path), or an empty calibration whose `unused` says why when the file was
-    fitted for another projector or yes_bias (logged)."""
+    fitted for another projector, yes_bias or yes/no answerer (logged)."""
     calibration = load_calibration(path)
-    reason = calibration.unusable_for(projector_sha256, yes_bias)
+    reason = calibration.unusable_for(projector_sha256, yes_bias, answer_head_sha256)
     if reason:
         log.warning("closed-answer calibration %s not used: it was %s; closed answers are shown without a confidence",
                     path, reason)

@@ -93,6 +93,14 @@ class DecoderConfig:
     # about another one is scored Yes against No.
     presupposed_kinds: list[Literal["modality", "plane", "region", "organ"]] = field(
         default_factory=lambda: ["modality", "plane", "region", "organ"])
+    # Who answers a yes/no question that is not read through a presupposed open question: "decoder" (the
+    # LLaVA design: the frozen decoder scores Yes against No) or "encoder_head" (outside the design, off by
+    # default: the answer head trained with the offline encoder's medical stage, medvqa/answer_head.py,
+    # reads the same 16 image tokens and the question; the app says so under the answer). With
+    # "encoder_head" the confidence comes from head_calibration instead of calibration.
+    closed_answerer: Literal["decoder", "encoder_head"] = "decoder"
+    answer_head: str = ""  # the heads file scripts/train_encoder.py writes (encoder_heads.safetensors)
+    head_calibration: str = ""  # scripts/calibrate_closed.py's fit of the answers given with encoder_head
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -218,7 +226,10 @@ def _offline_profile(cache_dir: str) -> Settings:
                               yes_bias=0.0,
                               # Measured on the held-out SLAKE images (docs/encoder.md).
                               presupposed_closed=True,
-                              calibration=str(REPO_ROOT / "weights" / "offline" / "calibration.json")),
+                              calibration=str(REPO_ROOT / "weights" / "offline" / "calibration.json"),
+                              # Used only with closed_answerer = "encoder_head" (docs/encoder.md).
+                              answer_head=str(REPO_ROOT / "weights" / "offline" / "encoder_heads.safetensors"),
+                              head_calibration=str(REPO_ROOT / "weights" / "offline" / "calibration-head.json")),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are
         # shown to the clinician as related literature but not given to this model.

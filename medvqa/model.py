@@ -55,6 +55,8 @@ class VisionLanguageModel(nn.Module):
         self.vision = vision
         self.projector = projector
         self.token_cache = LRU(cache_size)
+        # The encoder's own tokens (before the projector), for the answer head (medvqa/answer_head.py).
+        self.feature_cache = LRU(cache_size)
         self.encoder_calls = 0  # how often the vision encoder actually ran (cache misses)
 
     @classmethod
@@ -79,13 +81,31 @@ class VisionLanguageModel(nn.Module):
         key = digest or image_digest(image)
         tokens = self.token_cache.get(key)
         if tokens is None:
-            self.encoder_calls += 1
-            tokens = self.image_features([image])
+            features = self.feature_cache.get(key)  # encoded already for the answer head
+            if features is None:
+                self.encoder_calls += 1
+                tokens = self.image_features([image])
+            else:
+                with torch.inference_mode():
+                    tokens = self.projector(features.to(self.projector.dtype))
             self.token_cache.put(key, tokens)
         return tokens
 
+    def vision_tokens(self, image: np.ndarray, digest: str | None = None) -> torch.Tensor:
+        """The encoder's tokens (1, N, d_v) before the projector, cached by content; an image whose
+        projected tokens are cached is encoded again (once) for these."""
+        key = digest or image_digest(image)
+        features = self.feature_cache.get(key)
+        if features is None:
+            self.encoder_calls += 1
+            with torch.inference_mode():
+                features = self.vision.encode(self.vision.preprocess([image]))
+            self.feature_cache.put(key, features)
+        return features
+
     def forget_image(self, digest: str) -> None:
         self.token_cache.pop(digest)
+        self.feature_cache.pop(digest)
 
 
 def merge_image_features(text_embeds: torch.Tensor, image_mask: torch.Tensor,

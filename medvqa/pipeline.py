@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from .answers import closed_candidates, normalise, surface_forms
-from .confidence import PRESUPPOSED, YES_NO, calibration_for, image_group, leaning_text, question_kind
+from .confidence import HEAD, PRESUPPOSED, YES_NO, calibration_for, image_group, leaning_text, question_kind
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -43,6 +44,8 @@ from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest,
 from .presuppose import Presupposition, presupposition
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -187,10 +190,32 @@ class Pipeline:
                                      format=FORMATS[settings.decoder.conversation_format],
                                      image_position=model.projector.image_position if model else "before")
         self.turns = TurnTaking()
-        # Only a calibration fitted for this projector file and yes_bias; a remote engine's vision side
-        # is not a file of ours, so no file-bound calibration describes it either.
-        self.calibration = calibration_for(settings.decoder.calibration,
-                                           model.projector.sha256 if model else None, settings.decoder.yes_bias)
+        # decoder.closed_answerer "encoder_head": the encoder's answer head answers yes/no questions
+        # (outside the LLaVA design; medvqa/answer_head.py), with its own calibration file.
+        self.answer_head = self._load_answer_head(settings, model)
+        # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
+        # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
+        self.calibration = calibration_for(
+            settings.decoder.head_calibration if self.answer_head else settings.decoder.calibration,
+            model.projector.sha256 if model else None, settings.decoder.yes_bias,
+            self.answer_head.sha256 if self.answer_head else None)
+
+    @staticmethod
+    def _load_answer_head(settings: Settings, model: VisionLanguageModel | None):
+        if settings.decoder.closed_answerer != "encoder_head":
+            return None
+        from .answer_head import AnswerHead, AnswerHeadError
+        from .config import resolve_path
+        from .vision import encoder_sha256
+
+        if model is None:
+            raise AnswerHeadError("decoder.closed_answerer 'encoder_head' reads the local image encoder's tokens; "
+                                  f"the {settings.decoder.engine!r} engine runs its own vision side")
+        head = AnswerHead.load(resolve_path(settings.decoder.answer_head) if settings.decoder.answer_head else "")
+        head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+        log.info("yes/no questions are answered by the encoder's answer head %s (decoder.closed_answerer)",
+                 settings.decoder.answer_head)
+        return head
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
@@ -316,7 +341,11 @@ class Pipeline:
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             presupposed = self._presupposition(question, candidates)
-            if presupposed:
+            by_head = self.answer_head is not None and not presupposed and question_kind(candidates) == YES_NO
+            if by_head:  # decoder.closed_answerer "encoder_head"
+                scores = self._head_scores(conversation.image, conversation.digest, question)
+                choice = "Yes" if scores["yes"] >= scores["no"] else "No"
+            elif presupposed:
                 # Through the open question it presupposes: "Yes" when the value it names is the best.
                 open_prompt = self.prompts.build(presupposed.question, conversation.history, prompt_passages,
                                                  self._prompt_window(conversation))
@@ -328,8 +357,11 @@ class Pipeline:
             calibration = (self.calibration.for_group(conversation.image_group)  # the image group's fit
                            if self.calibration.groups else self.calibration)
             threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-            verdict = calibration.judge(scores, threshold, decoder.abstain, kind=PRESUPPOSED if presupposed else None)
+            verdict = calibration.judge(scores, threshold, decoder.abstain,
+                                        kind=HEAD if by_head else PRESUPPOSED if presupposed else None)
             closed = {"options": scores, **verdict.record()}
+            if by_head:
+                closed["answerer"] = "encoder_head"
             if calibration.group:
                 closed["calibration_group"] = calibration.group
             if verdict.confidence is None and self.calibration.unused:
@@ -363,7 +395,8 @@ class Pipeline:
             # Once the answer and its sources are out: whether its choice survives a neutral image.
             began = time.perf_counter()
             neutral = self._request(BLANK_IMAGE, request.prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION, background=True)
-            neutral_scores = (self._presupposed_scores(neutral, presupposed)[1] if presupposed
+            neutral_scores = (self._head_scores(BLANK_IMAGE, BLANK_DIGEST, question) if by_head
+                              else self._presupposed_scores(neutral, presupposed)[1] if presupposed
                               else self._option_scores(neutral, candidates)[1])
             closed.update(image_reliance(closed["options"], neutral_scores))
             timings["image_reliance_s"] = time.perf_counter() - began
@@ -464,6 +497,10 @@ class Pipeline:
         named = values.pop(normalise(presupposed.target))
         other = max(values.values())
         return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
+
+    def _head_scores(self, image: np.ndarray, digest: str, question: str) -> dict[str, float]:
+        """The answer head's {"yes": logit, "no": logit} for `question` about `image`."""
+        return self.answer_head.scores(self.model.vision_tokens(image, digest), question)
 
     def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:
         """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""

@@ -109,7 +109,11 @@ def _presupposition(question: str) -> Presupposition | None:
 
 def reading_text(closed: dict | None) -> str:
     """What "Yes" meant for an answer scored through a presupposed open question (the pipeline's
-    `closed` record), in a clinician's words; "" for any other answer."""
+    `closed` record), in a clinician's words; for an answer the encoder's answer head gave
+    (decoder.closed_answerer), that it did; "" for any other answer."""
+    if (closed or {}).get("answerer") == "encoder_head":
+        return ("Answered by the image encoder's own answer head (a classifier trained with the encoder on "
+                "public training sets), not by the language model.")
     read = (closed or {}).get("presupposed")
     if not read:
         return ""

