@@ -340,8 +340,8 @@ class Pipeline:
         confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
-            presupposed = self._presupposition(question, candidates)
-            by_head = self.answer_head is not None and not presupposed and question_kind(candidates) == YES_NO
+            by_head = self._by_head(question, candidates)
+            presupposed = None if by_head else self._presupposition(question, candidates)
             if by_head:  # decoder.closed_answerer "encoder_head"
                 scores = self._head_scores(conversation.image, conversation.digest, question)
                 choice = "Yes" if scores["yes"] >= scores["no"] else "No"
@@ -497,6 +497,13 @@ class Pipeline:
         named = values.pop(normalise(presupposed.target))
         other = max(values.values())
         return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
+
+    def _by_head(self, question: str, candidates: list[str]) -> bool:
+        """Whether the answer head answers this closed question (decoder.closed_answerer, head_answers)."""
+        if self.answer_head is None or question_kind(candidates) != YES_NO:
+            return False
+        named = presupposition(question)
+        return (named.kind if named else "other") in self.settings.decoder.head_answers
 
     def _head_scores(self, image: np.ndarray, digest: str, question: str) -> dict[str, float]:
         """The answer head's {"yes": logit, "no": logit} for `question` about `image`."""

@@ -128,6 +128,13 @@ def test_yes_no_questions_are_answered_by_the_head_and_say_so(head_pipeline):
     assert "answerer" not in choice.closed and choice.answer in ("Left", "Right")
     read = _ask(head_pipeline, "Is this a CT?", image)
     assert "answerer" not in read.closed and read.closed["kind"] == PRESUPPOSED
+    # Organ presence is the head's by default (decoder.head_answers), and can be given back.
+    assert _ask(head_pipeline, "Does the picture contain the liver?", image).closed["answerer"] == "encoder_head"
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.head_answers = ["other"]
+    back = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    organ = _ask(back, "Does the picture contain the liver?", image)
+    assert "answerer" not in organ.closed and organ.closed["kind"] == PRESUPPOSED
 
 
 def test_the_image_is_encoded_once_for_the_head_and_the_decoder(head_pipeline):
