@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     parser.add_argument("--no-free-closed", action="store_true",
                         help="skip free generation for closed questions (constrained decoding only)")
+    parser.add_argument("--closed-only", action="store_true",
+                        help="only the closed questions (open answers do not depend on decoder.closed_answerer)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--run-dir", default="runs", help="where per-question results are kept (resumable)")
     args = parser.parse_args()
@@ -96,7 +98,9 @@ def main() -> None:
     settings.decoder.abstain = False
     torch.manual_seed(settings.seed)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
-    shuffled = derangement(examples)
+    shuffled = derangement(examples)  # over the whole split, so --closed-only pairs images as a full run does
+    if args.closed_only:
+        examples = [e for e in examples if e.answer_type == "CLOSED"]
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
     engine = engine_label(settings)
@@ -108,6 +112,8 @@ def main() -> None:
     if settings.decoder.presupposed_closed and kinds:
         presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p-" + "-".join(sorted(set(kinds))) + "-"
     closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
+    if pipeline.answer_head is not None:  # decoder.closed_answerer "encoder_head": which head, which questions
+        closed += f"-head-{pipeline.answer_head.sha256[:10]}-" + "-".join(sorted(settings.decoder.head_answers))
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -228,13 +234,24 @@ def main() -> None:
                                           if answered else None)}
     elif closed_rows and pipeline.calibration.unused:
         # The configured calibration was fitted for another projector or yes_bias: no abstention figures.
-        summary["abstention_not_measured"] = f"{settings.decoder.calibration} was {pipeline.calibration.unused}"
+        used = settings.decoder.head_calibration if pipeline.answer_head is not None else settings.decoder.calibration
+        summary["abstention_not_measured"] = f"{used} was {pipeline.calibration.unused}"
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
     summary["profile"] = args.profile
     summary["closed_decoding"] = {"options": CLOSED_DECODING, "yes_bias": settings.decoder.yes_bias,
                                   "presupposed": settings.decoder.presupposed_closed,
-                                  "presupposed_kinds": settings.decoder.presupposed_kinds}
+                                  "presupposed_kinds": settings.decoder.presupposed_kinds,
+                                  "closed_answerer": settings.decoder.closed_answerer,
+                                  **({"head_answers": settings.decoder.head_answers}
+                                     if pipeline.answer_head is not None else {})}
+    if pipeline.answer_head is not None:
+        summary["closed_by_answerer"] = {
+            name: {"n": len(mine), "accuracy": round(score(mine, main_condition)["closed_accuracy"], 4),
+                   **({"shuffled_image": round(score(mine, "shuffled_image")["closed_accuracy"], 4)}
+                      if all("shuffled_image" in r for r in mine) else {})}
+            for name, mine in (("encoder_head", [r for r in closed_rows if r.get("closed_kind") == "head"]),
+                               ("decoder", [r for r in closed_rows if r.get("closed_kind") != "head"])) if mine}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:
