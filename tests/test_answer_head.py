@@ -171,3 +171,18 @@ def test_the_head_is_judged_by_a_calibration_fitted_for_it(head_pipeline, tmp_pa
     assert done.closed["confidence"] == pytest.approx(1 / (1 + np.exp(-5.0)), abs=1e-4)  # the HEAD fit
     # And the decoder's own file refuses a head calibration.
     assert "fitted with answer head" in Calibration({}, {"answer_head_sha256": own}).unusable_for(None, bias)
+
+
+def test_the_shipped_head_calibration_names_its_projector_bias_and_head():
+    """weights/offline/calibration-head.json is in force when the offline profile is told to answer with
+    the head, and only then."""
+    from medvqa.confidence import load_calibration
+
+    settings = load_settings("offline")
+    calibration = load_calibration(settings.decoder.head_calibration)
+    projector = hashlib.sha256((REPO_ROOT / settings.projector.weights).read_bytes()).hexdigest()
+    head = hashlib.sha256(HEADS.read_bytes()).hexdigest()
+    assert calibration.fits[HEAD] and calibration.meta["closed_answerer"] == "encoder_head"
+    assert calibration.unusable_for(projector, settings.decoder.yes_bias, head) == ""
+    assert calibration.unusable_for(projector, settings.decoder.yes_bias, None)  # not for the decoder's answers
+    assert load_calibration(settings.decoder.calibration).unusable_for(projector, settings.decoder.yes_bias, head)

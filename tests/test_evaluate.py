@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .conftest import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,13 +28,13 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), OMP_NUM_THREADS="1")
     command = [sys.executable, "scripts/evaluate.py", "--profile", "tiny", "--dataset", "jsonl", "--data", str(data),
                "--split", "test", "--limit", "6", "--conditions", "no_retrieval", "shuffled_image", "blank_image",
-               "--run-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "summary.json"), "--max-new-tokens", "4"]
+               "random_image", "--run-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "summary.json"), "--max-new-tokens", "4"]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["n"] == 6 and summary["n_closed"] == 3 and summary["n_open"] == 3
-    for key in ("shuffled_image", "blank_image"):
+    for key in ("shuffled_image", "blank_image", "random_image"):
         assert set(summary[key]) == {"closed_accuracy", "open_recall", "open_exact"}
     assert 0.0 <= summary["closed_accuracy"] <= 1.0
     # Without the retrieval condition there are no free answers, but the kinds are still reported.
@@ -152,3 +154,15 @@ def test_the_grounding_evaluation_reports_its_keys(tiny_cache, tmp_path):
     assert result["support_at_3"] == {"question_only": 1.0, "app_query_reference": 1.0}  # one passage, it has "liver"
     assert result["term_questions"] == 1 and result["closed_questions"] == 1
     assert set(result["risk_coverage"]) == {"1.0", "0.75", "0.5"}
+
+
+def test_the_random_image_is_a_seeded_derangement_unlike_the_sorted_neighbour():
+    from medvqa.datasets import VQAExample
+
+    derangement = load_script("evaluate").derangement
+    examples = [VQAExample(f"q{i}", Path(f"img{i:02d}.png"), "Is it?", "yes", "CLOSED") for i in range(30)]
+    neighbour, drawn = derangement(examples), derangement(examples, seed=0)
+    assert neighbour[Path("img03.png")] == Path("img04.png")
+    for pairing in (neighbour, drawn):
+        assert set(pairing) == set(pairing.values()) and all(a != b for a, b in pairing.items())
+    assert drawn == derangement(examples, seed=0) and drawn != neighbour
