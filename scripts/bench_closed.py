@@ -1,12 +1,14 @@
 """Time to a closed answer on this machine, with yes/no questions that name a value scored Yes against
 No and through the open question they presuppose (decoder.presupposed_closed).
 
-    python scripts/bench_closed.py [--profile offline] [--runs 3] [--json]
+    python scripts/bench_closed.py [--profile offline] [--runs 3] [--json] [--head]
 
 Each question is asked in a fresh conversation about one VQA-RAD image (one pixel changed each
 time, so the image is encoded and the prompt prefilled, as for a first question); the figure is the median over --runs
 of the time from asking to the answer (the pipeline's `ttft_s`: a closed answer comes in one
-piece), and of the whole turn with the image-reliance check (`total_s`). Retrieval is off.
+piece), and of the whole turn with the image-reliance check (`total_s`). Retrieval is off. --head
+also times the questions with decoder.closed_answerer "encoder_head" (the encoder's answer head answers
+the yes/no questions in decoder.head_answers; medvqa/answer_head.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--image", default=str(REPO.parent / "shared" / "data" / "vqa_rad" / "images" / "synpic42202.jpg"),
                         help="the scan asked about (a grey square when the file is absent)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    parser.add_argument("--head", action="store_true", help="also with the encoder's answer head answering")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -46,7 +49,14 @@ def main(argv=None) -> int:
     pipeline = Pipeline.load(settings, with_retrieval=False)
     image = read_image(args.image) if Path(args.image).is_file() else np.full((512, 512, 3), 90, np.uint8)
     results = {}
-    for presupposed in (False, True):
+    modes = [("yes_no", pipeline, False), ("presupposed", pipeline, True)]
+    if args.head:
+        import copy
+
+        with_head = copy.deepcopy(settings)
+        with_head.decoder.closed_answerer, with_head.decoder.presupposed_closed = "encoder_head", True
+        modes.append(("head", Pipeline(with_head, pipeline.engine, pipeline.model), True))
+    for mode, asked, presupposed in modes:
         settings.decoder.presupposed_closed = presupposed
         for question in QUESTIONS:
             answer_s, turn_s = [], []
@@ -54,18 +64,20 @@ def main(argv=None) -> int:
                 picture = image.copy()
                 picture.flat[run] ^= 1 + len(results)  # other pixels each time: no cache holds this image
                 conversation = Conversation(image=picture)
-                done = [e for e in pipeline.ask(conversation, question, use_retrieval=False, warm=False)
+                done = [e for e in asked.ask(conversation, question, use_retrieval=False, warm=False)
                         if isinstance(e, Done)][-1]
-                pipeline.end_conversation(conversation)
+                asked.end_conversation(conversation)
                 if run:
                     answer_s.append(done.timings["ttft_s"])
                     turn_s.append(done.timings["total_s"])
-            key = f"{'presupposed' if presupposed else 'yes_no'}: {question}"
+            key = f"{mode}: {question}"
             results[key] = {"read": bool(presupposed and presupposition(question, settings.decoder.presupposed_kinds)),
+                            "by_head": (done.closed or {}).get("answerer") == "encoder_head",
                             "answer_s": round(statistics.median(answer_s), 4),
                             "turn_s": round(statistics.median(turn_s), 4)}
             print(f"{key:60s} answer {results[key]['answer_s']:.3f} s, turn with image check "
-                  f"{results[key]['turn_s']:.3f} s" + ("" if results[key]["read"] or not presupposed else " (not read)"))
+                  f"{results[key]['turn_s']:.3f} s" + (" (the head)" if results[key]["by_head"] else
+                                                       "" if results[key]["read"] or not presupposed else " (not read)"))
     if args.json:
         print(json.dumps({"profile": args.profile, "runs": args.runs, "results": results}))
     return 0
