@@ -227,3 +227,27 @@ def test_the_presupposed_reading_goes_into_the_transcript():
     markdown = export_markdown(record)
     assert "- Read as “What modality is used to take this image?”: CT is the model" in markdown
     assert markdown.index("- Read as") < markdown.index("- Confidence: 80 %")
+
+
+def test_an_answer_the_encoder_head_gave_says_so_on_the_page_and_in_the_transcript():
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import export_markdown
+
+    import numpy as np
+
+    from medvqa.imaging import Scan
+
+    closed = {"options": {"yes": 1.4, "no": -0.3}, "choice": "yes", "margin": 1.7, "kind": "head",
+              "confidence": 0.86, "abstained": False, "answerer": "encoder_head"}
+    scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
+    answer = _Answer("Is there a nodule?", scan=scan, passages=[], text="Yes", closed=dict(closed))
+    note = "Answered by the image encoder's own answer head"
+    assert note in _render_answer(answer, final=True)
+    turn = answer.record()
+    assert turn["closed"]["reading"].startswith(note)
+    record = {"notice": "n", "exported_at": "t", "profile": "offline", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [turn]}
+    assert f"- {note}" in export_markdown(record)
+    answer.closed = {key: value for key, value in closed.items() if key != "answerer"}
+    assert note not in _render_answer(answer, final=True)
