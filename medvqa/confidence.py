@@ -155,17 +155,24 @@ class Calibration:
         """The image group this calibration was fitted for; None for the pooled one."""
         return self.meta.get("group")
 
-    def unusable_for(self, projector_sha256: str | None, yes_bias: float, answer_head_sha256: str | None = None) -> str:
+    def unusable_for(self, projector_sha256: str | None, yes_bias: float, answer_head_digest: str | None = None,
+                     head_answers: list[str] | None = None) -> str:
         """Why this calibration does not describe a model with this projector file (its SHA-256; None
-        for no file), `decoder.yes_bias` and yes/no answerer (the answer head's file SHA-256 with
-        decoder.closed_answerer "encoder_head", None for the decoder); "" when it does, or when the file
-        does not say (files fitted with no projector file, or older than these fields)."""
-        fitted_head = self.meta.get("answer_head_sha256")
-        if fitted_head != answer_head_sha256 and (fitted_head or answer_head_sha256):
+        for no file), `decoder.yes_bias` and yes/no answerer (with decoder.closed_answerer "encoder_head",
+        the answer head's `heads_digest` and the questions it takes, `decoder.head_answers`; None for the
+        decoder); "" when it does, or when the file does not say (files fitted with no projector file, or
+        older than these fields)."""
+        fitted_head = self.meta.get("answer_head_digest")
+        if fitted_head != answer_head_digest and (fitted_head or answer_head_digest):
             fitted_with = f"answer head {fitted_head[:12]}…" if fitted_head else "the decoder"
-            answering = f"answer head {answer_head_sha256[:12]}…" if answer_head_sha256 else "the decoder"
+            answering = f"answer head {answer_head_digest[:12]}…" if answer_head_digest else "the decoder"
             return (f"fitted with {fitted_with} answering yes/no questions and this profile answers them with "
                     f"{answering}; refit it with scripts/calibrate_closed.py")
+        fitted_answers = self.meta.get("head_answers")
+        if answer_head_digest and fitted_answers is not None and sorted(fitted_answers) != sorted(head_answers or []):
+            return (f"fitted with the answer head taking {', '.join(sorted(fitted_answers))} questions and this "
+                    f"profile gives it {', '.join(sorted(head_answers or [])) or 'none'} (decoder.head_answers); "
+                    f"refit it with scripts/calibrate_closed.py")
         fitted = self.meta.get("projector_sha256")
         if fitted and fitted != projector_sha256:
             loaded = f"projector {projector_sha256[:12]}…" if projector_sha256 else "no projector file"
@@ -225,11 +232,13 @@ def load_calibration(path: str) -> Calibration:
 
 
 def calibration_for(path: str, projector_sha256: str | None, yes_bias: float,
-                    answer_head_sha256: str | None = None) -> Calibration:
+                    answer_head_digest: str | None = None, head_answers: list[str] | None = None) -> Calibration:
     """load_calibration(path), or an empty calibration whose `unused` says why when the file was
     fitted for another projector, yes_bias or yes/no answerer (logged)."""
     calibration = load_calibration(path)
-    reason = calibration.unusable_for(projector_sha256, yes_bias, answer_head_sha256)
+    if not calibration.fits and not calibration.meta:  # no file: nothing fitted for anything (logged)
+        return calibration
+    reason = calibration.unusable_for(projector_sha256, yes_bias, answer_head_digest, head_answers)
     if reason:
         log.warning("closed-answer calibration %s not used: it was %s; closed answers are shown without a confidence",
                     path, reason)

@@ -93,11 +93,12 @@ class DecoderConfig:
     # about another one is scored Yes against No.
     presupposed_kinds: list[Literal["modality", "plane", "region", "organ"]] = field(
         default_factory=lambda: ["modality", "plane", "region", "organ"])
-    # Who answers a yes/no question that is not read through a presupposed open question: "decoder" (the
-    # LLaVA design: the frozen decoder scores Yes against No) or "encoder_head" (outside the design, off by
+    # Who answers yes/no questions: "decoder" (the LLaVA design: the frozen decoder scores Yes against
+    # No, or reads the open question they presuppose) or "encoder_head" (outside the design, off by
     # default: the answer head trained with the offline encoder's medical stage, medvqa/answer_head.py,
-    # reads the same 16 image tokens and the question; the app says so under the answer). With
-    # "encoder_head" the confidence comes from head_calibration instead of calibration.
+    # reads the same 16 image tokens and the question, not the earlier turns, and answers the kinds in
+    # head_answers; the app says so under the answer). With "encoder_head" the confidence comes from
+    # head_calibration instead of calibration.
     closed_answerer: Literal["decoder", "encoder_head"] = "decoder"
     answer_head: str = ""  # the heads file scripts/train_encoder.py writes (encoder_heads.safetensors)
     # Which yes/no questions the head answers: those naming a value of these attributes

@@ -55,8 +55,10 @@ class VisionLanguageModel(nn.Module):
         self.vision = vision
         self.projector = projector
         self.token_cache = LRU(cache_size)
-        # The encoder's own tokens (before the projector), for the answer head (medvqa/answer_head.py).
+        # The encoder's own tokens (before the projector), for the answer head (medvqa/answer_head.py);
+        # with keep_features, image_tokens keeps them too, so an image is encoded once for both.
         self.feature_cache = LRU(cache_size)
+        self.keep_features = False
         self.encoder_calls = 0  # how often the vision encoder actually ran (cache misses)
 
     @classmethod
@@ -82,18 +84,19 @@ class VisionLanguageModel(nn.Module):
         tokens = self.token_cache.get(key)
         if tokens is None:
             features = self.feature_cache.get(key)  # encoded already for the answer head
-            if features is None:
+            if features is None and not self.keep_features:
                 self.encoder_calls += 1
                 tokens = self.image_features([image])
             else:
+                features = self.vision_tokens(image, key) if features is None else features
                 with torch.inference_mode():
                     tokens = self.projector(features.to(self.projector.dtype))
             self.token_cache.put(key, tokens)
         return tokens
 
     def vision_tokens(self, image: np.ndarray, digest: str | None = None) -> torch.Tensor:
-        """The encoder's tokens (1, N, d_v) before the projector, cached by content; an image whose
-        projected tokens are cached is encoded again (once) for these."""
+        """The encoder's tokens (1, N, d_v) before the projector, cached by content (an image whose
+        projected tokens were cached without keep_features is encoded again, once, for these)."""
         key = digest or image_digest(image)
         features = self.feature_cache.get(key)
         if features is None:

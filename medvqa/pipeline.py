@@ -191,14 +191,15 @@ class Pipeline:
                                      image_position=model.projector.image_position if model else "before")
         self.turns = TurnTaking()
         # decoder.closed_answerer "encoder_head": the encoder's answer head answers yes/no questions
-        # (outside the LLaVA design; medvqa/answer_head.py), with its own calibration file.
+        # (outside the LLaVA design; medvqa/answer_head.py), with its own calibration file. It reads the
+        # image and the question alone, not the earlier turns.
         self.answer_head = self._load_answer_head(settings, model)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
             settings.decoder.head_calibration if self.answer_head else settings.decoder.calibration,
             model.projector.sha256 if model else None, settings.decoder.yes_bias,
-            self.answer_head.sha256 if self.answer_head else None)
+            *((self.answer_head.digest, settings.decoder.head_answers) if self.answer_head else ()))
 
     @staticmethod
     def _load_answer_head(settings: Settings, model: VisionLanguageModel | None):
@@ -213,6 +214,8 @@ class Pipeline:
                                   f"the {settings.decoder.engine!r} engine runs its own vision side")
         head = AnswerHead.load(resolve_path(settings.decoder.answer_head) if settings.decoder.answer_head else "")
         head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+        head.warm()  # its question embedder, before the first answer
+        model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
         log.info("yes/no questions are answered by the encoder's answer head %s (decoder.closed_answerer)",
                  settings.decoder.answer_head)
         return head

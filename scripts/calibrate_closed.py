@@ -27,9 +27,10 @@ app does with both: the share answered and their accuracy, out of fold, each que
 group's fit and threshold.
 
 With decoder.closed_answerer "encoder_head" (MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head) the yes/no
-questions the decoder does not read through a presupposed question are answered by the encoder's answer
-head, fitted as their own kind ("head"); the file, written to decoder.head_calibration by default, names
-the heads file, so the app uses it only with that answerer.
+questions of the kinds in decoder.head_answers (organ presence and those naming no attribute, by default)
+are answered by the encoder's answer head, fitted as their own kind ("head"); the file, written to
+decoder.head_calibration by default, names the heads (by content) and head_answers, so the app uses it
+only with that answerer and those questions.
 """
 
 from __future__ import annotations
@@ -250,10 +251,11 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float)
             "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
 
-def answer_head_sha256(settings) -> str:
+def answer_head_digest(settings) -> str:
+    from medvqa.answer_head import AnswerHead
     from medvqa.config import resolve_path
 
-    return hashlib.sha256(Path(resolve_path(settings.decoder.answer_head)).read_bytes()).hexdigest()
+    return AnswerHead.digest_of(resolve_path(settings.decoder.answer_head))
 
 
 def distinct_images(paths: list[str]) -> int:
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or (settings.decoder.head_calibration if head else settings.decoder.calibration))
     if args.reuse:
         scores = dict(np.load(args.scores))
+        if head != bool((scores["kind"] == HEAD).any()):
+            raise SystemExit(f"{args.scores} holds answers {'without' if head else 'with'} the answer head; "
+                             f"score again, or {'unset' if head else 'set'} MEDVQA_DECODER__CLOSED_ANSWERER")
     else:
         scores = score_held_out(args, settings)
         Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
@@ -315,14 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                       "by_kind": kind_counts(kind)},
         "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
         "yes_bias": settings.decoder.yes_bias,
-        **({"closed_answerer": "encoder_head", "answer_head_sha256": answer_head_sha256(settings)} if head else {}),
+        **({"closed_answerer": "encoder_head", "answer_head_digest": answer_head_digest(settings),
+            "head_answers": sorted(settings.decoder.head_answers)} if head else {}),
         "reliability_in_sample": reliability(in_sample, correct),
         "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
                         "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
         "threshold": choose_threshold(held, correct, args.target_accuracy),
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
         "groups_by_data": groups_by_data(scores),
-        "command": "python " + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": ("MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head " if head else "") + "python "
+                   + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     chosen = calibration.meta["threshold"]
     calibration.meta["app_out_of_fold"] = app_out_of_fold(

@@ -124,7 +124,7 @@ def main() -> None:
         presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p-" + "-".join(sorted(set(kinds))) + "-"
     closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
     if pipeline.answer_head is not None:  # decoder.closed_answerer "encoder_head": which head, which questions
-        closed += f"-head-{pipeline.answer_head.sha256[:10]}-" + "-".join(sorted(settings.decoder.head_answers))
+        closed += f"-head-{pipeline.answer_head.digest[:10]}-" + "-".join(sorted(settings.decoder.head_answers))
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from medvqa.answer_head import AnswerHead, AnswerHeadError, AnswerLayers
+from medvqa.answer_head import AnswerHead, AnswerHeadError, AnswerLayers, heads_digest
 from medvqa.config import REPO_ROOT, load_settings
 from medvqa.confidence import HEAD, PRESUPPOSED, YES_NO, Calibration
 from medvqa.pipeline import Done, Pipeline
@@ -78,7 +78,25 @@ def test_the_head_is_the_answer_layers_the_encoder_was_trained_with():
     # The shipped heads name the shipped encoder.
     card = json.loads((REPO_ROOT / "weights" / "offline" / "encoder_card.json").read_text())
     assert head.encoder_sha256 == card["encoder_sha256"]
-    assert head.sha256 == hashlib.sha256(HEADS.read_bytes()).hexdigest()
+    assert head.digest == AnswerHead.digest_of(HEADS) == heads_digest(state, _metadata(HEADS))
+
+
+def _metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata()
+
+
+def test_the_heads_digest_is_of_their_content_not_of_the_files_bytes():
+    """safetensors writes metadata keys in no fixed order: the digest a calibration names must not
+    depend on it, and must change with any tensor or metadata value."""
+    tensors = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.ones(4)}
+    meta = {"answers": "[]", "encoder_sha256": "e", "trunk": "8"}
+    digest = heads_digest(tensors, meta)
+    assert heads_digest(dict(reversed(list(tensors.items()))), dict(reversed(list(meta.items())))) == digest
+    assert heads_digest({**tensors, "a": torch.ones(4) * 2}, meta) != digest
+    assert heads_digest(tensors, {**meta, "trunk": "9"}) != digest
 
 
 def test_a_head_is_refused_beside_another_encoder_or_grid(tmp_path):
@@ -139,17 +157,21 @@ def test_yes_no_questions_are_answered_by_the_head_and_say_so(head_pipeline):
 
 def test_the_image_is_encoded_once_for_the_head_and_the_decoder(head_pipeline):
     model = head_pipeline.model
-    image = _image(5)
-    calls = model.encoder_calls
-    model.vision_tokens(image)
-    model.image_tokens(image)
-    assert model.encoder_calls == calls + 1
+    assert model.keep_features  # set by the pipeline that loaded the head
+    for seed, first, second in ((5, model.vision_tokens, model.image_tokens),
+                                (6, model.image_tokens, model.vision_tokens)):  # either order
+        image = _image(seed)
+        calls = model.encoder_calls
+        first(image)
+        second(image)
+        assert model.encoder_calls == calls + 1
 
 
 def test_the_head_is_judged_by_a_calibration_fitted_for_it(head_pipeline, tmp_path):
     """A calibration fitted with the decoder answering yes/no questions is not used with the head, and
     one fitted with another heads file neither; one fitted with this head gives its answers a confidence."""
-    own = head_pipeline.answer_head.sha256
+    own = head_pipeline.answer_head.digest
+    answers = head_pipeline.settings.decoder.head_answers
     projector, bias = head_pipeline.model.projector.sha256, head_pipeline.settings.decoder.yes_bias
 
     def with_file(meta: dict) -> Pipeline:
@@ -163,14 +185,26 @@ def test_the_head_is_judged_by_a_calibration_fitted_for_it(head_pipeline, tmp_pa
     decoders = with_file({"projector_sha256": projector, "yes_bias": bias})
     assert decoders.calibration.unused.startswith("fitted with the decoder answering yes/no questions and this "
                                                   f"profile answers them with answer head {own[:12]}…")
-    other = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_sha256": "c" * 64})
+    other = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_digest": "c" * 64})
     assert "fitted with answer head cccccccccccc…" in other.calibration.unused
-    mine = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_sha256": own})
+    fewer = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_digest": own,
+                       "head_answers": ["organ"]})
+    assert fewer.calibration.unused.startswith("fitted with the answer head taking organ questions and this "
+                                               "profile gives it organ, other (decoder.head_answers)")
+    mine = with_file({"projector_sha256": projector, "yes_bias": bias, "answer_head_digest": own,
+                      "head_answers": list(reversed(answers))})
     assert not mine.calibration.unused
     done = _ask(mine, "Is there a fracture?")
     assert done.closed["confidence"] == pytest.approx(1 / (1 + np.exp(-5.0)), abs=1e-4)  # the HEAD fit
     # And the decoder's own file refuses a head calibration.
-    assert "fitted with answer head" in Calibration({}, {"answer_head_sha256": own}).unusable_for(None, bias)
+    assert "fitted with answer head" in Calibration({}, {"answer_head_digest": own}).unusable_for(None, bias)
+    # No head calibration file at all: no confidence, and no claim about what it was fitted with.
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.head_calibration = str(tmp_path / "none.json")
+    missing = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    assert not missing.calibration.fits and missing.calibration.unused == ""
+    done = _ask(missing, "Is there a fracture?")
+    assert done.closed["confidence"] is None and "uncalibrated" not in done.closed
 
 
 def test_the_shipped_head_calibration_names_its_projector_bias_and_head():
@@ -181,8 +215,9 @@ def test_the_shipped_head_calibration_names_its_projector_bias_and_head():
     settings = load_settings("offline")
     calibration = load_calibration(settings.decoder.head_calibration)
     projector = hashlib.sha256((REPO_ROOT / settings.projector.weights).read_bytes()).hexdigest()
-    head = hashlib.sha256(HEADS.read_bytes()).hexdigest()
+    head, answers = AnswerHead.digest_of(HEADS), settings.decoder.head_answers
     assert calibration.fits[HEAD] and calibration.meta["closed_answerer"] == "encoder_head"
-    assert calibration.unusable_for(projector, settings.decoder.yes_bias, head) == ""
+    assert calibration.unusable_for(projector, settings.decoder.yes_bias, head, answers) == ""
     assert calibration.unusable_for(projector, settings.decoder.yes_bias, None)  # not for the decoder's answers
-    assert load_calibration(settings.decoder.calibration).unusable_for(projector, settings.decoder.yes_bias, head)
+    assert load_calibration(settings.decoder.calibration).unusable_for(projector, settings.decoder.yes_bias, head,
+                                                                       answers)
