@@ -79,6 +79,9 @@ def test_the_head_is_the_answer_layers_the_encoder_was_trained_with():
     card = json.loads((REPO_ROOT / "weights" / "offline" / "encoder_card.json").read_text())
     assert head.encoder_sha256 == card["encoder_sha256"]
     assert head.digest == AnswerHead.digest_of(HEADS) == heads_digest(state, _metadata(HEADS))
+    # Tokens in the encoder's precision on a GPU (bf16 or fp16 there) are read in fp32 on the CPU.
+    low = head.scores(tokens[0].to(torch.bfloat16), "Is there a nodule?")
+    assert all(np.isfinite(value) for value in low.values())
 
 
 def _metadata(path) -> dict:
