@@ -224,3 +224,11 @@ def test_the_shipped_head_calibration_names_its_projector_bias_and_head():
     assert calibration.unusable_for(projector, settings.decoder.yes_bias, None)  # not for the decoder's answers
     assert load_calibration(settings.decoder.calibration).unusable_for(projector, settings.decoder.yes_bias, head,
                                                                        answers)
+
+
+def test_the_page_footer_says_when_the_head_answers(tiny_pipeline, head_pipeline):
+    from medvqa.ui.layout import footer_text
+
+    assert "answer head" not in footer_text(tiny_pipeline, tiny_pipeline.settings)
+    assert footer_text(head_pipeline, head_pipeline.settings).endswith(
+        " · yes/no questions are answered by the image encoder's own answer head, not the language model.")

@@ -46,6 +46,16 @@ _CSS = """
 """
 
 
+def footer_text(pipeline, settings) -> str:
+    """The line under the chat: the profile, whether literature is retrieved, and who answers yes/no
+    questions when it is not the language model (decoder.closed_answerer)."""
+    retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
+                 else "off — answers are not grounded in literature")
+    answerer = (" · yes/no questions are answered by the image encoder's own answer head, not the language model"
+                if getattr(pipeline, "answer_head", None) is not None else "")
+    return f"Profile `{settings.profile}` · literature retrieval {retrieval}{answerer}."
+
+
 def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_mb: float = 100,
               concurrency: int = DEFAULT_CONCURRENCY, pacs: Pacs | None = None) -> gr.Blocks:
     """The Blocks app around a loaded pipeline (and, with `pacs`, a panel that opens studies from that
@@ -54,8 +64,6 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
     # they are made, and the handlers only read uploads from the folder launch() serves.
     _upload_folder()
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
-    retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
-                 else "off — answers are not grounded in literature")
 
     with gr.Blocks(title="MedVQA", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(f"# MedVQA\n{NOTICE}", elem_id="medvqa-notice")
@@ -103,7 +111,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                     transcript_links = gr.HTML("", elem_id="medvqa-export-links")
                     transcript_markdown = gr.Textbox(visible=False)
                     transcript_json = gr.Textbox(visible=False)
-                gr.Markdown(f"Profile `{handlers.settings.profile}` · literature retrieval {retrieval}.")
+                gr.Markdown(footer_text(pipeline, handlers.settings))
 
         viewer_outputs = [viewer, preset, center, width, frame, meta, chatbot, session]
         # preprocess=False: the handler gets the upload's path and deletes the file itself; gr.File's
