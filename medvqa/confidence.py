@@ -1,6 +1,6 @@
 """How likely a closed answer is to be right, and when the app says "Uncertain" instead.
 
-The constrained decoder scores every option a closed question names (pipeline._option_scores). The
+The constrained decoder scores every option a closed question names (closed.ClosedQuestions._option_scores). The
 margin between the best and the second-best option is turned into a probability of being right by a
 logistic fit (Platt scaling), one per kind of question ("yes/no", and "choice" for "A or B?"), fitted
 by `scripts/calibrate_closed.py` on closed questions about training images that the projector never

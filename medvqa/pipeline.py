@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import secrets
 import threading
 import time
@@ -32,8 +31,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from .answers import closed_candidates, normalise, surface_forms
-from .confidence import HEAD, PRESUPPOSED, YES_NO, calibration_for, image_group, leaning_text, question_kind
+from .answers import closed_candidates
+from .closed import ClosedQuestions, load_answer_head
+from .confidence import calibration_for, image_group, leaning_text
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -41,11 +41,8 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
-from .presuppose import Presupposition, presupposition
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,7 +172,7 @@ class TurnTaking:
             self._condition.notify_all()
 
 
-class Pipeline:
+class Pipeline(ClosedQuestions):
     def __init__(self, settings: Settings, engine: Engine, model: VisionLanguageModel | None = None,
                  retriever=None, metrics=None):
         self.settings = settings
@@ -193,32 +190,13 @@ class Pipeline:
         # decoder.closed_answerer "encoder_head": the encoder's answer head answers yes/no questions
         # (outside the LLaVA design; medvqa/answer_head.py), with its own calibration file. It reads the
         # image and the question alone, not the earlier turns.
-        self.answer_head = self._load_answer_head(settings, model)
+        self.answer_head = load_answer_head(settings, model)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
             settings.decoder.head_calibration if self.answer_head else settings.decoder.calibration,
             model.projector.sha256 if model else None, settings.decoder.yes_bias,
             *((self.answer_head.digest, settings.decoder.head_answers) if self.answer_head else ()))
-
-    @staticmethod
-    def _load_answer_head(settings: Settings, model: VisionLanguageModel | None):
-        if settings.decoder.closed_answerer != "encoder_head":
-            return None
-        from .answer_head import AnswerHead, AnswerHeadError
-        from .config import resolve_path
-        from .vision import encoder_sha256
-
-        if model is None:
-            raise AnswerHeadError("decoder.closed_answerer 'encoder_head' reads the local image encoder's tokens; "
-                                  f"the {settings.decoder.engine!r} engine runs its own vision side")
-        head = AnswerHead.load(resolve_path(settings.decoder.answer_head) if settings.decoder.answer_head else "")
-        head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
-        head.warm()  # its question embedder, before the first answer
-        model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
-        log.info("yes/no questions are answered by the encoder's answer head %s (decoder.closed_answerer)",
-                 settings.decoder.answer_head)
-        return head
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
@@ -343,34 +321,15 @@ class Pipeline:
         confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
-            by_head = self._by_head(question, candidates)
-            presupposed = None if by_head else self._presupposition(question, candidates)
-            if by_head:  # decoder.closed_answerer "encoder_head"
-                scores = self._head_scores(conversation.image, conversation.digest, question)
-                choice = "Yes" if scores["yes"] >= scores["no"] else "No"
-            elif presupposed:
+            route, presupposed = self._closed_route(question, candidates)
+            if presupposed:
                 # Through the open question it presupposes: "Yes" when the value it names is the best.
                 open_prompt = self.prompts.build(presupposed.question, conversation.history, prompt_passages,
                                                  self._prompt_window(conversation))
                 request = self._request(conversation.image, open_prompt, conversation.digest, conversation.id)
-                choice, scores = self._presupposed_scores(request, presupposed)
-            else:
-                choice, scores = self._option_scores(request, candidates)
-            decoder = self.settings.decoder
-            calibration = (self.calibration.for_group(conversation.image_group)  # the image group's fit
-                           if self.calibration.groups else self.calibration)
-            threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-            verdict = calibration.judge(scores, threshold, decoder.abstain,
-                                        kind=HEAD if by_head else PRESUPPOSED if presupposed else None)
-            closed = {"options": scores, **verdict.record()}
-            if by_head:
-                closed["answerer"] = "encoder_head"
-            if calibration.group:
-                closed["calibration_group"] = calibration.group
-            if verdict.confidence is None and self.calibration.unused:
-                closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
-            if presupposed:
-                closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target}
+            choice, scores = self._closed_scores(route, request, question, candidates, presupposed,
+                                                 conversation.image, conversation.digest)
+            closed, verdict = self._closed_verdict(conversation, scores, route, presupposed)
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
         else:
@@ -398,9 +357,8 @@ class Pipeline:
             # Once the answer and its sources are out: whether its choice survives a neutral image.
             began = time.perf_counter()
             neutral = self._request(BLANK_IMAGE, request.prompt, BLANK_DIGEST, NEUTRAL_CONVERSATION, background=True)
-            neutral_scores = (self._head_scores(BLANK_IMAGE, BLANK_DIGEST, question) if by_head
-                              else self._presupposed_scores(neutral, presupposed)[1] if presupposed
-                              else self._option_scores(neutral, candidates)[1])
+            neutral_scores = self._closed_scores(route, neutral, question, candidates, presupposed,
+                                                 BLANK_IMAGE, BLANK_DIGEST)[1]
             closed.update(image_reliance(closed["options"], neutral_scores))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
@@ -466,57 +424,6 @@ class Pipeline:
         tokens = (lambda: model.image_tokens(image, digest)) if model is not None else None
         return EngineRequest(conversation_id, prompt, image, image_key(digest), tokens, waiting=self.turns.aside,
                              background=background)
-
-    # --- closed questions ----------------------------------------------------------------------------
-
-    def choose_closed(self, request: EngineRequest, options: list[str], yes_bias: float | None = None) -> str:
-        """The option with the best score, each option scored in its best spelling (surface_forms);
-        "Yes" gets `decoder.yes_bias` added (chosen on held-out training questions by
-        scripts/tune_closed.py)."""
-        return self._option_scores(request, options, yes_bias)[0]
-
-    def _option_scores(self, request: EngineRequest, options: list[str],
-                       yes_bias: float | None = None) -> tuple[str, dict[str, float]]:
-        """(the best spelling of the best option, each option's best score)."""
-        yes_bias = self.settings.decoder.yes_bias if yes_bias is None else yes_bias
-        forms = [form for option in options for form in surface_forms(option)]
-        scores = np.asarray(self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms]))
-        scores = scores + yes_bias * np.asarray([form == "Yes" for form in forms])
-        by_option: dict[str, float] = {}
-        for form, score in zip(forms, scores.tolist()):
-            option = normalise(form)
-            by_option[option] = max(score, by_option.get(option, float("-inf")))
-        return forms[int(np.argmax(scores))], by_option
-
-    def _presupposition(self, question: str, candidates: list[str]) -> Presupposition | None:
-        if not self.settings.decoder.presupposed_closed or question_kind(candidates) != YES_NO:
-            return None
-        return presupposition(question, self.settings.decoder.presupposed_kinds)
-
-    def _presupposed_scores(self, request: EngineRequest, presupposed: Presupposition) -> tuple[str, dict[str, float]]:
-        """("Yes" or "No", {"yes": the named value's score, "no": the best other value's}) after the
-        open question in `request`: the margin between them is what the confidence is fitted on."""
-        values = self._option_scores(request, list(presupposed.options), yes_bias=0.0)[1]
-        named = values.pop(normalise(presupposed.target))
-        other = max(values.values())
-        return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
-
-    def _by_head(self, question: str, candidates: list[str]) -> bool:
-        """Whether the answer head answers this closed question (decoder.closed_answerer, head_answers)."""
-        if self.answer_head is None or question_kind(candidates) != YES_NO:
-            return False
-        named = presupposition(question)
-        return (named.kind if named else "other") in self.settings.decoder.head_answers
-
-    def _head_scores(self, image: np.ndarray, digest: str, question: str) -> dict[str, float]:
-        """The answer head's {"yes": logit, "no": logit} for `question` about `image`."""
-        return self.answer_head.scores(self.model.vision_tokens(image, digest), question)
-
-    def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:
-        """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""
-        request = self._request(image, prompt, digest or image_digest(image))
-        with self.turns.turn():
-            return self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms])
 
     def answer(self, image: np.ndarray, question: str, *, use_retrieval: bool = True,
                constrained: bool | None = None, window: str = "",

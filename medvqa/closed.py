@@ -1,0 +1,133 @@
+"""Closed questions: how their options are scored, and the calibrated verdict (the closed-question
+half of pipeline.Pipeline, which it is mixed into).
+
+A closed question (yes/no, or "A or B") is answered by scoring the options it names, along one of
+three routes chosen per question (`ClosedQuestions._closed_route`):
+
+- `None`: the decoder's mean log-probability of each option in its best spelling (`decoder.yes_bias`
+  added to "Yes");
+- `PRESUPPOSED`: a yes/no question naming one value ("Is this a CT?") scored through the open question
+  it presupposes, over the attribute's values (medvqa/presuppose.py, `decoder.presupposed_closed`);
+- `HEAD`: with `decoder.closed_answerer = "encoder_head"`, the encoder's answer head's Yes and No logits
+  (medvqa/answer_head.py; outside the LLaVA design, off by default).
+
+The same route scores the blank image for the image-reliance check, and the route is the kind of
+question the calibration judges the margin by (medvqa/confidence.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .answers import normalise, surface_forms
+from .confidence import HEAD, PRESUPPOSED, YES_NO, question_kind
+from .engines import EngineRequest
+from .model import VisionLanguageModel, image_digest
+from .presuppose import Presupposition, presupposition
+from .prompt import Prompt
+
+log = logging.getLogger(__name__)
+
+
+def load_answer_head(settings, model: VisionLanguageModel | None):
+    """The encoder's answer head when `decoder.closed_answerer` is "encoder_head", checked against the
+    profile's encoder; None otherwise."""
+    if settings.decoder.closed_answerer != "encoder_head":
+        return None
+    from .answer_head import AnswerHead, AnswerHeadError
+    from .config import resolve_path
+    from .vision import encoder_sha256
+
+    if model is None:
+        raise AnswerHeadError("decoder.closed_answerer 'encoder_head' reads the local image encoder's tokens; "
+                              f"the {settings.decoder.engine!r} engine runs its own vision side")
+    head = AnswerHead.load(resolve_path(settings.decoder.answer_head) if settings.decoder.answer_head else "")
+    head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+    head.warm()  # its question embedder, before the first answer
+    model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
+    log.info("yes/no questions are answered by the encoder's answer head %s (decoder.closed_answerer)",
+             settings.decoder.answer_head)
+    return head
+
+
+class ClosedQuestions:
+    """Mixed into pipeline.Pipeline, whose settings, engine, prompts, model, calibration, answer_head,
+    turns and _request it uses."""
+
+    def _closed_route(self, question: str, candidates: list[str]) -> tuple[str | None, Presupposition | None]:
+        """(HEAD, PRESUPPOSED or None, the presupposed open question when PRESUPPOSED) for a question
+        whose options are `candidates`."""
+        if question_kind(candidates) != YES_NO:
+            return None, None
+        named = presupposition(question)
+        if self.answer_head is not None and (named.kind if named else "other") in self.settings.decoder.head_answers:
+            return HEAD, None
+        if self.settings.decoder.presupposed_closed and named and named.kind in self.settings.decoder.presupposed_kinds:
+            return PRESUPPOSED, named
+        return None, None
+
+    def _closed_scores(self, route: str | None, request: EngineRequest, question: str, candidates: list[str],
+                       presupposed: Presupposition | None, image: np.ndarray, digest: str) -> tuple[str, dict[str, float]]:
+        """(the answer as shown, each option's score) along `route`; `request` is the decoder's prompt
+        with `image` (the presupposed open question's for PRESUPPOSED), unused by HEAD."""
+        if route == HEAD:
+            scores = self.answer_head.scores(self.model.vision_tokens(image, digest), question)
+            return ("Yes" if scores["yes"] >= scores["no"] else "No"), scores
+        if route == PRESUPPOSED:
+            return self._presupposed_scores(request, presupposed)
+        return self._option_scores(request, candidates)
+
+    def _closed_verdict(self, conversation, scores: dict[str, float], route: str | None,
+                        presupposed: Presupposition | None):
+        """(the `closed` record Done carries, the Verdict): the confidence from the calibration of the
+        image's group, and whether the app abstains."""
+        decoder = self.settings.decoder
+        calibration = (self.calibration.for_group(conversation.image_group)  # the image group's fit
+                       if self.calibration.groups else self.calibration)
+        threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+        verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route)
+        closed = {"options": scores, **verdict.record()}
+        if route == HEAD:
+            closed["answerer"] = "encoder_head"
+        if calibration.group:
+            closed["calibration_group"] = calibration.group
+        if verdict.confidence is None and self.calibration.unused:
+            closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
+        if presupposed:
+            closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target}
+        return closed, verdict
+
+    def choose_closed(self, request: EngineRequest, options: list[str], yes_bias: float | None = None) -> str:
+        """The option with the best score, each option scored in its best spelling (surface_forms);
+        "Yes" gets `decoder.yes_bias` added (chosen on held-out training questions by
+        scripts/tune_closed.py)."""
+        return self._option_scores(request, options, yes_bias)[0]
+
+    def _option_scores(self, request: EngineRequest, options: list[str],
+                       yes_bias: float | None = None) -> tuple[str, dict[str, float]]:
+        """(the best spelling of the best option, each option's best score)."""
+        yes_bias = self.settings.decoder.yes_bias if yes_bias is None else yes_bias
+        forms = [form for option in options for form in surface_forms(option)]
+        scores = np.asarray(self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms]))
+        scores = scores + yes_bias * np.asarray([form == "Yes" for form in forms])
+        by_option: dict[str, float] = {}
+        for form, score in zip(forms, scores.tolist()):
+            option = normalise(form)
+            by_option[option] = max(score, by_option.get(option, float("-inf")))
+        return forms[int(np.argmax(scores))], by_option
+
+    def _presupposed_scores(self, request: EngineRequest, presupposed: Presupposition) -> tuple[str, dict[str, float]]:
+        """("Yes" or "No", {"yes": the named value's score, "no": the best other value's}) after the
+        open question in `request`: the margin between them is what the confidence is fitted on."""
+        values = self._option_scores(request, list(presupposed.options), yes_bias=0.0)[1]
+        named = values.pop(normalise(presupposed.target))
+        other = max(values.values())
+        return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
+
+    def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:
+        """Mean token log-probability of each complete answer in `forms` after `prompt` with `image`."""
+        request = self._request(image, prompt, digest or image_digest(image))
+        with self.turns.turn():
+            return self.engine.score_options(request, [self.prompts.answer_ids(form) for form in forms])
