@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,
                             open_recall)
+from medvqa.confidence import HEAD
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
@@ -57,8 +58,7 @@ def balanced_subset(examples: list[VQAExample], limit: int | None) -> list[VQAEx
 def derangement(examples: list[VQAExample], seed: int | None = None) -> dict[Path, Path]:
     """Each image -> the next distinct image of the split in sorted order (no image maps to itself);
     with a seed, in an order shuffled by it instead (random_image). Neighbours in sorted order are
-    often scans of the same series: on the held-out SLAKE training images 45 of 71 such pairs share
-    modality and body region, against 12 % of random pairs (docs/evaluation.md)."""
+    often scans of the same series (scripts/pairing_similarity.py counts how often, on SLAKE)."""
     images = sorted({e.image for e in examples})
     if seed is not None:
         random.Random(seed).shuffle(images)
@@ -263,8 +263,8 @@ def main() -> None:
             name: {"n": len(mine), "accuracy": round(score(mine, main_condition)["closed_accuracy"], 4),
                    **{condition: round(score(mine, condition)["closed_accuracy"], 4)
                       for condition in ("shuffled_image", "random_image") if all(condition in r for r in mine)}}
-            for name, mine in (("encoder_head", [r for r in closed_rows if r.get("closed_kind") == "head"]),
-                               ("decoder", [r for r in closed_rows if r.get("closed_kind") != "head"])) if mine}
+            for name, mine in (("encoder_head", [r for r in closed_rows if r.get("closed_kind") == HEAD]),
+                               ("decoder", [r for r in closed_rows if r.get("closed_kind") != HEAD])) if mine}
     summary["engine"] = engine
     _print_table(summary)
     if args.json:

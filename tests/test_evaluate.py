@@ -166,3 +166,18 @@ def test_the_random_image_is_a_seeded_derangement_unlike_the_sorted_neighbour():
     for pairing in (neighbour, drawn):
         assert set(pairing) == set(pairing.values()) and all(a != b for a, b in pairing.items())
     assert drawn == derangement(examples, seed=0) and drawn != neighbour
+
+
+def test_pairing_similarity_counts_alike_neighbours_and_random_pairs(tmp_path, capsys):
+    """scripts/pairing_similarity.py on a tiny SLAKE layout: sorted neighbours of one series match."""
+    kinds = {"xmlab1": ("CT", "Abdomen"), "xmlab2": ("CT", "Abdomen"), "xmlab3": ("MRI", "Brain"),
+             "xmlab4": ("MRI", "Brain")}
+    rows = [{"qid": i, "img_name": f"{name}/source.jpg", "question": "Is it?", "answer": "Yes",
+             "answer_type": "CLOSED", "q_lang": "en", "modality": modality, "location": location}
+            for i, (name, (modality, location)) in enumerate(kinds.items())]
+    (tmp_path / "validate.json").write_text(json.dumps(rows))
+    assert load_script("pairing_similarity").main(["--data", str(tmp_path), "--split", "validate"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # 1->2 and 3->4 match, 2->3 and 4->1 do not; 4 of the 12 ordered pairs of distinct images match
+    assert result["images"] == 4 and result["shuffled_pairs_alike"] == 2
+    assert result["all_pairs_alike_share"] == round(4 / 12, 4) and 0 <= result["random_pairs_alike"] <= 4
