@@ -1,15 +1,17 @@
-"""The encoder's own answer head, as an opt-in answerer of yes/no questions (`decoder.closed_answerer`).
+"""The encoder's own answer head, as an opt-in answerer of yes/no questions (`decoder.closed_answerer`)
+and of open questions (`decoder.open_answerer`).
 
 The offline encoder's medical stage (scripts/train_encoder.py) trains, beside the encoder, a small
 answer head over the training sets' frequent answers: it attends over the same 16 pooled image tokens the
 projector gives the decoder, steered by the question's MiniLM embedding. On the training images held out
 of every training step it answers yes/no questions better than the frozen 135M decoder reads the same
 tokens (docs/encoder.md, "Where the answer is lost"). Answering with it is outside the LLaVA design (the
-decoder no longer chooses the answer), so it is off unless `decoder.closed_answerer = "encoder_head"`;
-the app then says under each such answer that the head gave it.
+decoder no longer chooses the answer), so it is off unless `decoder.closed_answerer` or
+`decoder.open_answerer` is "encoder_head"; the app then says under each such answer that the head gave it.
 
     head = AnswerHead.load("weights/offline/encoder_heads.safetensors")
     head.scores(tokens, "Is there a pneumothorax?")       # {"yes": 1.3, "no": -0.4} (logits)
+    head.open_answer(tokens, "Which organ is abnormal?")  # ("Liver", 0.83)
 
 The heads file names the encoder it was trained with (`encoder_sha256`); loading it beside another
 encoder is refused, as a projector is. A calibration of the head's answers names the heads by
@@ -42,6 +44,27 @@ def heads_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> 
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     digest.update(json.dumps(metadata, sort_keys=True).encode())
     return digest.hexdigest()
+
+
+# Words of the head's (lower-cased) vocabulary that are written in capitals.
+_CAPITALS = {"ct", "mri", "dwi", "t1", "t2", "pa", "gi", "mca", "iv", "atn", "ms", "cn", "iii", "pas"}
+
+
+def shown_answer(answer: str) -> str:
+    """A vocabulary answer as the app shows it: "ct" -> "CT", "left lung" -> "Left lung"."""
+    words = [word.upper() if word in _CAPITALS else word for word in answer.split(" ")]
+    text = " ".join(words)
+    return text[:1].upper() + text[1:]
+
+
+def open_note(record: dict | None) -> str:
+    """What the app says under an open answer the head gave (the pipeline's `head_open` record with
+    `answered`); "" for any other answer."""
+    if not record or not record.get("answered"):
+        return ""
+    return (f"Answered by the image encoder's own answer head, which picks one of the {record['vocabulary']} "
+            f"answers of its training questions (its probability for this one: {100 * record['probability']:.0f} %, "
+            "not a measured accuracy), not by the language model.")
 
 
 class AnswerHeadError(ValueError):
@@ -88,7 +111,7 @@ class AnswerHead:
 
         path = Path(path)
         if not path.is_file():
-            raise AnswerHeadError(f"no answer head at {path}: decoder.closed_answerer 'encoder_head' needs the heads "
+            raise AnswerHeadError(f"no answer head at {path}: the 'encoder_head' answerer needs the heads "
                                   "file scripts/train_encoder.py writes beside the encoder")
         with safe_open(str(path), "pt") as handle:
             meta = handle.metadata() or {}
@@ -138,6 +161,18 @@ class AnswerHead:
         with torch.inference_mode():
             logits = self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed(questions).float())
         return logits[:, [self._yes, self._no]]
+
+    def open_answer(self, tokens: torch.Tensor, question: str) -> tuple[str, float]:
+        """(the most likely answer other than yes and no, as shown; its probability among those answers)
+        for an open question about one image's tokens (1, 16, 1280) or (16, 1280)."""
+        if tokens.dim() == 2:
+            tokens = tokens[None]
+        with torch.inference_mode():
+            logits = self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed([question]).float())[0]
+            logits[[self._yes, self._no]] = float("-inf")
+            probabilities = torch.softmax(logits, dim=0)
+        best = int(torch.argmax(probabilities))
+        return shown_answer(self.vocabulary[best]), float(probabilities[best])
 
     def scores(self, tokens: torch.Tensor, question: str) -> dict[str, float]:
         """{"yes": logit, "no": logit} for one question about one image's tokens (1, 16, 1280) or (16, 1280)."""

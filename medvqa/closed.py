@@ -32,29 +32,36 @@ log = logging.getLogger(__name__)
 
 
 def load_answer_head(settings, model: VisionLanguageModel | None):
-    """The encoder's answer head when `decoder.closed_answerer` is "encoder_head", checked against the
-    profile's encoder; None otherwise."""
-    if settings.decoder.closed_answerer != "encoder_head":
+    """The encoder's answer head when `decoder.closed_answerer` or `decoder.open_answerer` is
+    "encoder_head", checked against the profile's encoder; None otherwise."""
+    decoder = settings.decoder
+    uses = [name for name in ("closed_answerer", "open_answerer") if getattr(decoder, name) == "encoder_head"]
+    if not uses:
         return None
     from .answer_head import AnswerHead, AnswerHeadError
     from .config import resolve_path
     from .vision import encoder_sha256
 
+    if not 0.0 <= decoder.head_open_min_probability <= 1.0:
+        raise AnswerHeadError(f"decoder.head_open_min_probability is {decoder.head_open_min_probability}; "
+                              "it is a probability, from 0 (the head answers every open question) to 1 (none)")
     if model is None:
-        raise AnswerHeadError("decoder.closed_answerer 'encoder_head' reads the local image encoder's tokens; "
-                              f"the {settings.decoder.engine!r} engine runs its own vision side")
-    head = AnswerHead.load(resolve_path(settings.decoder.answer_head) if settings.decoder.answer_head else "")
+        raise AnswerHeadError(f"decoder.{uses[0]} 'encoder_head' reads the local image encoder's tokens; "
+                              f"the {decoder.engine!r} engine runs its own vision side")
+    head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
     head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
-    log.info("yes/no questions are answered by the encoder's answer head %s (decoder.closed_answerer)",
-             settings.decoder.answer_head)
+    log.info("the encoder's answer head %s answers %s (decoder.%s)", decoder.answer_head,
+             " and ".join({"closed_answerer": "yes/no questions",
+                           "open_answerer": f"open questions above probability {decoder.head_open_min_probability:g}"}[use]
+                          for use in uses), " and decoder.".join(uses))
     return head
 
 
 class ClosedQuestions:
     """Mixed into pipeline.Pipeline, whose settings, engine, prompts, model, calibration, answer_head,
-    turns and _request it uses."""
+    head_closes, turns and _request it uses."""
 
     def _closed_route(self, question: str, candidates: list[str]) -> tuple[str | None, Presupposition | None]:
         """(HEAD, PRESUPPOSED or None, the presupposed open question when PRESUPPOSED) for a question
@@ -62,7 +69,7 @@ class ClosedQuestions:
         if question_kind(candidates) != YES_NO:
             return None, None
         named = presupposition(question)
-        if self.answer_head is not None and (named.kind if named else "other") in self.settings.decoder.head_answers:
+        if self.head_closes and (named.kind if named else "other") in self.settings.decoder.head_answers:
             return HEAD, None
         if self.settings.decoder.presupposed_closed and named and named.kind in self.settings.decoder.presupposed_kinds:
             return PRESUPPOSED, named

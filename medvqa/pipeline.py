@@ -75,6 +75,10 @@ class Done:
     # Why a closed question's answer has no confidence: its options were not scored (it was generated
     # as free text, decoder.constrained_closed off); "" otherwise.
     confidence_note: str = ""
+    # With decoder.open_answerer "encoder_head", an open question's answer head reading: {"answer",
+    # "probability" (among its answers other than yes/no), "min_probability", "vocabulary" (how many
+    # answers it picks from), "answered" (whether it is the answer given; else the decoder's is)}.
+    head_open: dict | None = None
 
 
 @dataclass
@@ -190,13 +194,17 @@ class Pipeline(ClosedQuestions):
         # decoder.closed_answerer "encoder_head": the encoder's answer head answers yes/no questions
         # (outside the LLaVA design; medvqa/answer_head.py), with its own calibration file. It reads the
         # image and the question alone, not the earlier turns.
+        # decoder.open_answerer "encoder_head": the same head answers open questions when it is confident
+        # enough (decoder.head_open_min_probability), the decoder the rest.
         self.answer_head = load_answer_head(settings, model)
+        self.head_closes = self.answer_head is not None and settings.decoder.closed_answerer == "encoder_head"
+        self.head_opens = self.answer_head is not None and settings.decoder.open_answerer == "encoder_head"
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
-            settings.decoder.head_calibration if self.answer_head else settings.decoder.calibration,
+            settings.decoder.head_calibration if self.head_closes else settings.decoder.calibration,
             model.projector.sha256 if model else None, settings.decoder.yes_bias,
-            *((self.answer_head.digest, settings.decoder.head_answers) if self.answer_head else ()))
+            *((self.answer_head.digest, settings.decoder.head_answers) if self.head_closes else ()))
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
@@ -319,6 +327,7 @@ class Pipeline(ClosedQuestions):
         candidates = options if constrained and self.engine.scores_options else None
         closed = None
         confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
+        head_open = self._head_open(conversation, question) if options is None and self.head_opens else None
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             route, presupposed = self._closed_route(question, candidates)
@@ -332,6 +341,8 @@ class Pipeline(ClosedQuestions):
             closed, verdict = self._closed_verdict(conversation, scores, route, presupposed)
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
+        elif head_open and head_open["answered"]:
+            pieces = iter([head_open["answer"]])  # the answer head's (decoder.open_answerer)
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
@@ -364,12 +375,22 @@ class Pipeline(ClosedQuestions):
         timings["total_s"] = time.perf_counter() - start
         tracker.done(timings, len(answer_parts), closed)
         conversation.history.append(Turn(question, answer, prompt_passages))
-        yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note)
+        yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note,
+                   head_open)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
         # and types, the engine caches the start of the next turn, so the next question only has its
         # own words to prefill.
         if warm and self.settings.decoder.warm_next_turn:
             self._warm(conversation)
+
+    def _head_open(self, conversation: Conversation, question: str) -> dict:
+        """The answer head's reading of an open question (Done.head_open): it answers when its
+        probability is above decoder.head_open_min_probability."""
+        answer, probability = self.answer_head.open_answer(
+            self.model.vision_tokens(conversation.image, conversation.digest), question)
+        threshold = self.settings.decoder.head_open_min_probability
+        return {"answer": answer, "probability": probability, "min_probability": threshold,
+                "vocabulary": len(self.answer_head.vocabulary) - 2, "answered": probability > threshold}
 
     def warm_next_turn(self, conversation: Conversation, draft: str = "", *,
                        still_wanted: Callable[[], bool] | None = None) -> int:

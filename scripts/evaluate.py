@@ -95,6 +95,8 @@ def main() -> None:
                         help="skip free generation for closed questions (constrained decoding only)")
     parser.add_argument("--closed-only", action="store_true",
                         help="only the closed questions (open answers do not depend on decoder.closed_answerer)")
+    parser.add_argument("--open-only", action="store_true",
+                        help="only the open questions (closed answers do not depend on decoder.open_answerer)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--run-dir", default="runs", help="where per-question results are kept (resumable)")
     args = parser.parse_args()
@@ -110,8 +112,12 @@ def main() -> None:
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
     shuffled = derangement(examples)  # over the whole split, so --closed-only pairs images as a full run does
     randomly = derangement(examples, seed=0)
+    if args.closed_only and args.open_only:
+        parser.error("--closed-only and --open-only leave no question")
     if args.closed_only:
         examples = [e for e in examples if e.answer_type == "CLOSED"]
+    if args.open_only:
+        examples = [e for e in examples if e.answer_type != "CLOSED"]
     pipeline = Pipeline.load(settings, with_retrieval="retrieval" in args.conditions)
     projector_id = _file_digest(settings.projector.weights)
     engine = engine_label(settings)
@@ -123,8 +129,10 @@ def main() -> None:
     if settings.decoder.presupposed_closed and kinds:
         presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p-" + "-".join(sorted(set(kinds))) + "-"
     closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
-    if pipeline.answer_head is not None:  # decoder.closed_answerer "encoder_head": which head, which questions
+    if pipeline.head_closes:  # decoder.closed_answerer "encoder_head": which head, which questions
         closed += f"-head-{pipeline.answer_head.digest[:10]}-" + "-".join(sorted(settings.decoder.head_answers))
+    if pipeline.head_opens:  # decoder.open_answerer "encoder_head": which head, above which probability
+        closed += f"-openhead-{pipeline.answer_head.digest[:10]}-{settings.decoder.head_open_min_probability:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -146,7 +154,8 @@ def main() -> None:
     with results_path.open("a") as out:
         for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
             if example.qid in done and all(c in done[example.qid] for c in args.conditions) and (
-                    example.answer_type != "CLOSED" or "margin" in done[example.qid]):
+                    "margin" in done[example.qid] if example.answer_type == "CLOSED"
+                    else "head_open" in done[example.qid] or not pipeline.head_opens):
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}
@@ -172,6 +181,10 @@ def main() -> None:
                     # in force then, so results kept from before a refit are judged by the current fit.
                     row["margin"] = (answered.closed or {}).get("margin")
                     row["closed_kind"] = (answered.closed or {}).get("kind")
+                if condition == main and answered.head_open is not None:
+                    # decoder.open_answerer "encoder_head": the head's answer and probability, also when
+                    # the decoder answered (scripts/tune_open_head.py chooses the threshold from them).
+                    row["head_open"] = {key: answered.head_open[key] for key in ("answer", "probability", "answered")}
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
@@ -247,7 +260,7 @@ def main() -> None:
                                           if answered else None)}
     elif closed_rows and pipeline.calibration.unused:
         # The configured calibration was fitted for another projector or yes_bias: no abstention figures.
-        used = settings.decoder.head_calibration if pipeline.answer_head is not None else settings.decoder.calibration
+        used = settings.decoder.head_calibration if pipeline.head_closes else settings.decoder.calibration
         summary["abstention_not_measured"] = f"{used} was {pipeline.calibration.unused}"
     majority = _majority_baseline(args, examples)
     summary["majority_closed_accuracy"] = majority
@@ -257,8 +270,18 @@ def main() -> None:
                                   "presupposed_kinds": settings.decoder.presupposed_kinds,
                                   "closed_answerer": settings.decoder.closed_answerer,
                                   **({"head_answers": settings.decoder.head_answers}
-                                     if pipeline.answer_head is not None else {})}
-    if pipeline.answer_head is not None:
+                                     if pipeline.head_closes else {})}
+    open_rows = [r for r in rows if r["answer_type"] != "CLOSED"]
+    if pipeline.head_opens and open_rows:
+        summary["open_answerer"] = {"answerer": "encoder_head",
+                                    "min_probability": settings.decoder.head_open_min_probability}
+        summary["open_by_answerer"] = {
+            name: {"n": len(mine), **{condition: round(score(mine, condition)["open_recall"], 4)
+                                      for condition in args.conditions if all(condition in r for r in mine)}}
+            for name, mine in (("encoder_head", [r for r in open_rows if r.get("head_open", {}).get("answered")]),
+                               ("decoder", [r for r in open_rows if not r.get("head_open", {}).get("answered")]))
+            if mine}
+    if pipeline.head_closes:
         summary["closed_by_answerer"] = {
             name: {"n": len(mine), "accuracy": round(score(mine, main_condition)["closed_accuracy"], 4),
                    **{condition: round(score(mine, condition)["closed_accuracy"], 4)

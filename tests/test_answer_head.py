@@ -232,3 +232,75 @@ def test_the_page_footer_says_when_the_head_answers(tiny_pipeline, head_pipeline
     assert "answer head" not in footer_text(tiny_pipeline, tiny_pipeline.settings)
     assert footer_text(head_pipeline, head_pipeline.settings).endswith(
         " · yes/no questions are answered by the image encoder's own answer head, not the language model.")
+
+
+@pytest.fixture(scope="module")
+def open_head_pipeline(head_pipeline):
+    """head_pipeline with open questions answered by the head at every probability, yes/no questions by
+    the decoder."""
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.closed_answerer = "decoder"
+    settings.decoder.open_answerer = "encoder_head"
+    settings.decoder.head_open_min_probability = 0.0
+    return Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+
+
+def test_open_questions_stay_with_the_decoder_unless_told_otherwise(head_pipeline):
+    assert load_settings("offline").decoder.open_answerer == "decoder"
+    with pytest.raises(ValueError, match="open_answerer"):
+        load_settings("offline", env={"MEDVQA_DECODER__OPEN_ANSWERER": "probe"})
+    done = _ask(head_pipeline, "Which organ is abnormal?")
+    assert done.head_open is None and not head_pipeline.head_opens
+
+
+def test_open_questions_are_answered_by_the_head_and_say_so(open_head_pipeline):
+    from medvqa.answer_head import open_note
+
+    image = _image(7)
+    question = "What modality is used to take this image?"
+    done = _ask(open_head_pipeline, question, image)
+    answer, probability = open_head_pipeline.answer_head.open_answer(
+        open_head_pipeline.model.vision_tokens(image), question)
+    assert done.answer == answer and done.head_open["answered"]
+    assert done.head_open["probability"] == pytest.approx(probability) and 0 < probability <= 1
+    assert answer.lower() not in ("yes", "no")  # an open question is not answered yes or no
+    assert done.head_open["vocabulary"] == len(open_head_pipeline.answer_head.vocabulary) - 2
+    assert open_note(done.head_open).startswith("Answered by the image encoder's own answer head")
+    assert done.closed is None
+    # Closed questions are the decoder's unless decoder.closed_answerer says otherwise.
+    assert not open_head_pipeline.head_closes
+    closed = _ask(open_head_pipeline, "Does the picture contain a nodule?", image)
+    assert closed.head_open is None and "answerer" not in closed.closed
+
+
+def test_below_its_threshold_the_decoder_answers_and_the_head_reading_is_kept(open_head_pipeline):
+    from medvqa.answer_head import open_note
+
+    settings = copy.deepcopy(open_head_pipeline.settings)
+    settings.decoder.head_open_min_probability = 1.0
+    never = Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
+    done = _ask(never, "What modality is used to take this image?", _image(7))
+    assert not done.head_open["answered"] and done.head_open["answer"]
+    assert open_note(done.head_open) == ""
+    # The decoder generated this answer: the tiny decoder's words, not a vocabulary entry as shown.
+    assert done.answer != done.head_open["answer"] or done.answer == ""
+    settings.decoder.head_open_min_probability = 1.5
+    with pytest.raises(AnswerHeadError, match="head_open_min_probability"):
+        Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
+
+
+def test_answers_are_shown_in_clinical_spelling():
+    from medvqa.answer_head import shown_answer
+
+    assert shown_answer("ct") == "CT"
+    assert shown_answer("t2 weighted") == "T2 weighted"
+    assert shown_answer("left lung") == "Left lung"
+    assert shown_answer("x-ray") == "X-ray"
+
+
+def test_the_page_footer_says_when_the_head_answers_open_questions(open_head_pipeline):
+    from medvqa.ui.layout import footer_text
+
+    assert footer_text(open_head_pipeline, open_head_pipeline.settings).endswith(
+        " · open questions it is confident of are answered by the image encoder's own answer head, "
+        "not the language model.")

@@ -45,6 +45,13 @@ def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert json.loads(again.stdout.strip().splitlines()[-1]) == summary
     assert "abstention" not in summary  # no calibration: no confidence, nothing to abstain on
+    # --open-only and --closed-only measure one kind of question each.
+    for flag, kind in (("--open-only", "n_open"), ("--closed-only", "n_closed")):
+        only = subprocess.run(command + [flag, "--json", str(tmp_path / "only.json")], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert only.returncode == 0, only.stderr[-2000:]
+        counted = json.loads((tmp_path / "only.json").read_text())
+        assert counted[kind] == summary[kind] and counted["n"] == summary[kind]
     # With a calibration, each closed answer's confidence is kept and the app's abstention reported.
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"fits": {kind: {"a": 0.0, "b": 0.0} for kind in ("yes/no", "choice")},

@@ -251,3 +251,27 @@ def test_an_answer_the_encoder_head_gave_says_so_on_the_page_and_in_the_transcri
     assert f"- {note}" in export_markdown(record)
     answer.closed = {key: value for key, value in closed.items() if key != "answerer"}
     assert note not in _render_answer(answer, final=True)
+
+
+def test_an_open_answer_the_encoder_head_gave_says_so_on_the_page_and_in_the_transcript():
+    import numpy as np
+
+    from medvqa.imaging import Scan
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import _escape_model_text, export_markdown
+
+    head = {"answer": "Liver", "probability": 0.83, "min_probability": 0.5, "vocabulary": 526, "answered": True}
+    scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
+    answer = _Answer("Which organ is abnormal?", scan=scan, passages=[], text="Liver", head_open=dict(head))
+    note = ("Answered by the image encoder's own answer head, which picks one of the 526 answers of its training "
+            "questions (its probability for this one: 83 %, not a measured accuracy), not by the language model.")
+    assert note in _render_answer(answer, final=True)
+    turn = answer.record()
+    assert turn["answered_by"] == {"answerer": "encoder_head", "note": note, "probability": 0.83}
+    record = {"notice": "n", "exported_at": "t", "profile": "offline", "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [turn]}
+    assert f"- {_escape_model_text(note)}" in export_markdown(record)
+    # Below its threshold the decoder answered: nothing is said of the head.
+    answer.head_open = dict(head, answered=False)
+    assert "answer head" not in _render_answer(answer, final=True) and "answered_by" not in answer.record()

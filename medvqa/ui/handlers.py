@@ -307,7 +307,7 @@ class _Handlers:
                 elif isinstance(event, Done):
                     answer.text, answer.passages, answer.window = event.answer, list(event.passages), event.window
                     answer.support, answer.closed = list(event.support), event.closed
-                    answer.confidence_note = event.confidence_note
+                    answer.confidence_note, answer.head_open = event.confidence_note, event.head_open
                     answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())

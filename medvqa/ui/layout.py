@@ -47,12 +47,15 @@ _CSS = """
 
 
 def footer_text(pipeline, settings) -> str:
-    """The line under the chat: the profile, whether literature is retrieved, and who answers yes/no
-    questions when it is not the language model (decoder.closed_answerer)."""
+    """The line under the chat: the profile, whether literature is retrieved, and who answers yes/no or
+    open questions when it is not the language model (decoder.closed_answerer, decoder.open_answerer)."""
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
-    answerer = (" · yes/no questions are answered by the image encoder's own answer head, not the language model"
-                if getattr(pipeline, "answer_head", None) is not None else "")
+    kinds = [kind for kind, used in (("yes/no questions", getattr(pipeline, "head_closes", False)),
+                                     ("open questions it is confident of", getattr(pipeline, "head_opens", False)))
+             if used]
+    answerer = (f" · {' and '.join(kinds)} are answered by the image encoder's own answer head, not the language "
+                "model" if kinds else "")
     return f"Profile `{settings.profile}` · literature retrieval {retrieval}{answerer}."
 
 

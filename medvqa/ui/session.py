@@ -18,6 +18,7 @@ import gradio as gr
 
 from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
+from ..answer_head import open_note
 from ..presuppose import reading_text
 from ..pipeline import Conversation, Pipeline
 from ..safe_text import visible
@@ -151,6 +152,7 @@ class _Answer:
     support: list = field(default_factory=list)  # per passage: trust.mark_support's (mark, evidence)
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
     confidence_note: str = ""  # a closed question answered in free text: why it has no confidence
+    head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
 
     def _marks(self) -> list:
         """One support mark per passage (a passage without one is related literature)."""
@@ -171,6 +173,9 @@ class _Answer:
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
                    if self.confidence_note else {}),
+                **({"answered_by": {"answerer": "encoder_head", "note": open_note(self.head_open),
+                                    "probability": round(float(self.head_open["probability"]), 4)}}
+                   if open_note(self.head_open) else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),

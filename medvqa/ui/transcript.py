@@ -79,6 +79,8 @@ def export_markdown(record: dict) -> str:
                       ""]
             if turn["closed"].get("reading"):
                 lines[-2:-2] = [f"- {_escape_model_text(turn['closed']['reading'])}"]  # before the confidence
+        if turn.get("answered_by"):
+            lines += [f"- {_escape_model_text(turn['answered_by']['note'])}", ""]
         if turn.get("injection"):
             lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
         if turn["citations"]:
