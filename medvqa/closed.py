@@ -42,7 +42,7 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     from .config import resolve_path
     from .vision import encoder_sha256
 
-    if not 0.0 <= decoder.head_open_min_probability <= 1.0:
+    if "open_answerer" in uses and not 0.0 <= decoder.head_open_min_probability <= 1.0:
         raise AnswerHeadError(f"decoder.head_open_min_probability is {decoder.head_open_min_probability}; "
                               "it is a probability, from 0 (the head answers every open question) to 1 (none)")
     if model is None:

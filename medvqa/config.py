@@ -108,14 +108,14 @@ class DecoderConfig:
     head_answers: list[Literal["modality", "plane", "region", "organ", "other"]] = field(
         default_factory=lambda: ["organ", "other"])
     head_calibration: str = ""  # scripts/calibrate_closed.py's fit of the answers given with encoder_head
-    # Who answers open questions (no options named): "decoder" (the LLaVA design: generated) or
+    # Who answers open questions (neither yes/no nor naming their options): "decoder" (the LLaVA design: generated) or
     # "encoder_head" (outside the design, off by default): the same answer head picks the most likely of
     # its training answers other than yes/no, and gives it when its probability among them is above
     # head_open_min_probability; otherwise the decoder generates as usual. The app says which answered.
     open_answerer: Literal["decoder", "encoder_head"] = "decoder"
     # 0 = the head answers every open question, 1 = none (its answer is only recorded). 0.05: the best
     # mean open recall over the held-out training images' SLAKE, VQA-RAD and PathVQA open questions,
-    # chosen by scripts/tune_open_head.py (docs/encoder.md): below it the decoder does better.
+    # chosen by scripts/tune_open_head.py (docs/encoder.md): below it the head and the decoder are even.
     head_open_min_probability: float = 0.05
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).

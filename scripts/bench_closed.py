@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     if args.open:
         import copy
 
+        if settings.decoder.open_answerer != "decoder":
+            parser.error("--open compares the decoder with the head: unset MEDVQA_DECODER__OPEN_ANSWERER")
         with_head = copy.deepcopy(settings)
         with_head.decoder.open_answerer = "encoder_head"
         modes = [("open, decoder", pipeline, settings.decoder.presupposed_closed),

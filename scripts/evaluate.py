@@ -81,6 +81,17 @@ def correct(row: dict, field: str) -> bool:
     return open_recall(row[field], row["reference"]) >= 1.0
 
 
+def answered_already(row: dict, example: VQAExample, conditions: list[str], head_opens: bool) -> bool:
+    """Whether a kept row holds all this run needs: an answer per condition, a closed question's margin,
+    and (with decoder.open_answerer "encoder_head") an open question's head reading, but for an "open"
+    question naming its options, which is scored over them and never read by the head."""
+    if not all(condition in row for condition in conditions):
+        return False
+    if example.answer_type == "CLOSED":
+        return "margin" in row
+    return "head_open" in row or not head_opens or closed_candidates(example.question) is not None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=("vqa-rad", "slake", "jsonl"), required=True)
@@ -153,9 +164,7 @@ def main() -> None:
     main = "retrieval" if "retrieval" in args.conditions else args.conditions[0]
     with results_path.open("a") as out:
         for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
-            if example.qid in done and all(c in done[example.qid] for c in args.conditions) and (
-                    "margin" in done[example.qid] if example.answer_type == "CLOSED"
-                    else "head_open" in done[example.qid] or not pipeline.head_opens):
+            if example.qid in done and answered_already(done[example.qid], example, args.conditions, pipeline.head_opens):
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}

@@ -188,3 +188,25 @@ def test_pairing_similarity_counts_alike_neighbours_and_random_pairs(tmp_path, c
     # 1->2 and 3->4 match, 2->3 and 4->1 do not; 4 of the 12 ordered pairs of distinct images match
     assert result["images"] == 4 and result["shuffled_pairs_alike"] == 2
     assert result["all_pairs_alike_share"] == round(4 / 12, 4) and 0 <= result["random_pairs_alike"] <= 4
+
+
+def test_a_kept_row_is_answered_again_only_when_it_lacks_what_the_run_needs():
+    from medvqa.datasets import VQAExample
+
+    evaluate = load_script("evaluate")
+
+    def example(question, answer_type):
+        return VQAExample(qid="q", image=REPO / "x.png", question=question, answer="a", answer_type=answer_type)
+
+    kept = evaluate.answered_already
+    conditions = ["no_retrieval", "shuffled_image"]
+    both = {"no_retrieval": "a", "shuffled_image": "b"}
+    assert not kept({"no_retrieval": "a"}, example("Where?", "OPEN"), conditions, False)
+    assert kept(both, example("Where?", "OPEN"), conditions, False)
+    # With the head answering open questions a row needs its reading...
+    assert not kept(both, example("Where?", "OPEN"), conditions, True)
+    assert kept(dict(both, head_open={"answer": "x"}), example("Where?", "OPEN"), conditions, True)
+    # ...but an "open" question naming its options is scored over them and never read by the head.
+    assert kept(both, example("Which is denser, the cyst or the kidney?", "OPEN"), conditions, True)
+    assert not kept(both, example("Is there an effusion?", "CLOSED"), conditions, False)
+    assert kept(dict(both, margin=0.3), example("Is there an effusion?", "CLOSED"), conditions, False)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+from .conftest import load_script
 
-import tune_open_head  # noqa: E402
+tune_open_head = load_script("tune_open_head")
 
 
 def _row(qid, reference, decoder, head, probability, answer_type="OPEN"):
