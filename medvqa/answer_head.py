@@ -104,6 +104,8 @@ class AnswerHead:
         self.digest = digest  # heads_digest of the file: a calibration of its answers names it
         self._embedder = embedder
         self._yes, self._no = answers.index("yes"), answers.index("no")
+        # The last question embedded: a closed answer's image check asks the same question of a blank image.
+        self._last: tuple[str, torch.Tensor] | None = None
 
     @classmethod
     def load(cls, path: str | Path, embedder=None) -> "AnswerHead":
@@ -149,34 +151,40 @@ class AnswerHead:
         return self
 
     def embed(self, questions: list[str]) -> torch.Tensor:
+        if len(questions) == 1 and self._last is not None and self._last[0] == questions[0]:
+            return self._last[1]
         if self._embedder is None:
             from .retrieval.embed import load_embedder
 
             self._embedder = load_embedder(QUESTION_EMBEDDER, device="cpu")
-        return torch.from_numpy(self._embedder.encode(questions, batch_size=128))
+        vectors = torch.from_numpy(self._embedder.encode(questions, batch_size=128))
+        if len(questions) == 1:
+            self._last = (questions[0], vectors)
+        return vectors
 
-    def yes_no_logits(self, tokens: torch.Tensor, questions: list[str]) -> torch.Tensor:
-        """(Q, 2) logits of Yes and No: tokens (Q, 16, 1280) are each question's image's pooled encoder
-        tokens (before the projector), on any device and in any precision; the head runs on the CPU in fp32."""
-        with torch.inference_mode():
-            logits = self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed(questions).float())
-        return logits[:, [self._yes, self._no]]
-
-    def open_answer(self, tokens: torch.Tensor, question: str) -> tuple[str, float]:
-        """(the most likely answer other than yes and no, as shown; its probability among those answers)
-        for an open question about one image's tokens (1, 16, 1280) or (16, 1280)."""
+    def logits(self, tokens: torch.Tensor, questions: list[str]) -> torch.Tensor:
+        """(Q, answers) logits: tokens (Q, 16, 1280), or (16, 1280) for one question, are each question's
+        image's pooled encoder tokens (before the projector), on any device and in any precision; the
+        head runs on the CPU in fp32."""
         if tokens.dim() == 2:
             tokens = tokens[None]
         with torch.inference_mode():
-            logits = self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed([question]).float())[0]
-            logits[[self._yes, self._no]] = float("-inf")
-            probabilities = torch.softmax(logits, dim=0)
+            return self.layers.answers(self.layers.norm(tokens.float().cpu()), self.embed(questions).float())
+
+    def yes_no_logits(self, tokens: torch.Tensor, questions: list[str]) -> torch.Tensor:
+        """(Q, 2) logits of Yes and No (tokens as for `logits`)."""
+        return self.logits(tokens, questions)[:, [self._yes, self._no]]
+
+    def open_answer(self, tokens: torch.Tensor, question: str) -> tuple[str, float]:
+        """(the most likely answer other than yes and no, as shown; its probability among those answers)
+        for an open question about one image's tokens."""
+        logits = self.logits(tokens, [question])[0].clone()
+        logits[[self._yes, self._no]] = float("-inf")
+        probabilities = torch.softmax(logits, dim=0)
         best = int(torch.argmax(probabilities))
         return shown_answer(self.vocabulary[best]), float(probabilities[best])
 
     def scores(self, tokens: torch.Tensor, question: str) -> dict[str, float]:
-        """{"yes": logit, "no": logit} for one question about one image's tokens (1, 16, 1280) or (16, 1280)."""
-        if tokens.dim() == 2:
-            tokens = tokens[None]
+        """{"yes": logit, "no": logit} for one question about one image's tokens."""
         yes, no = self.yes_no_logits(tokens, [question])[0].tolist()
         return {"yes": float(yes), "no": float(no)}

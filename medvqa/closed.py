@@ -52,10 +52,10 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
-    log.info("the encoder's answer head %s answers %s (decoder.%s)", decoder.answer_head,
-             " and ".join({"closed_answerer": "yes/no questions",
-                           "open_answerer": f"open questions above probability {decoder.head_open_min_probability:g}"}[use]
-                          for use in uses), " and decoder.".join(uses))
+    log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(
+        "yes/no questions (decoder.closed_answerer)" if use == "closed_answerer" else
+        f"open questions above probability {decoder.head_open_min_probability:g} (decoder.open_answerer)"
+        for use in uses))
     return head
 
 

@@ -273,17 +273,19 @@ def test_open_questions_are_answered_by_the_head_and_say_so(open_head_pipeline):
     assert closed.head_open is None and "answerer" not in closed.closed
 
 
-def test_below_its_threshold_the_decoder_answers_and_the_head_reading_is_kept(open_head_pipeline):
+def test_below_its_threshold_the_decoder_answers_and_the_head_reading_is_kept(open_head_pipeline, head_pipeline):
     from medvqa.answer_head import open_note
 
     settings = copy.deepcopy(open_head_pipeline.settings)
     settings.decoder.head_open_min_probability = 1.0
     never = Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
-    done = _ask(never, "What modality is used to take this image?", _image(7))
+    question, image = "What modality is used to take this image?", _image(7)
+    done = _ask(never, question, image)
     assert not done.head_open["answered"] and done.head_open["answer"]
     assert open_note(done.head_open) == ""
-    # The decoder generated this answer: the tiny decoder's words, not a vocabulary entry as shown.
-    assert done.answer != done.head_open["answer"] or done.answer == ""
+    # The answer given is the decoder's: what a pipeline without the open answerer generates.
+    assert done.answer == _ask(head_pipeline, question, image).answer
+    assert done.head_open["answer"] == _ask(open_head_pipeline, question, image).answer
     settings.decoder.head_open_min_probability = 1.5
     with pytest.raises(AnswerHeadError, match="head_open_min_probability"):
         Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
@@ -302,5 +304,42 @@ def test_the_page_footer_says_when_the_head_answers_open_questions(open_head_pip
     from medvqa.ui.layout import footer_text
 
     assert footer_text(open_head_pipeline, open_head_pipeline.settings).endswith(
-        " · open questions it is confident of are answered by the image encoder's own answer head, "
+        " · open questions are answered by the image encoder's own answer head, "
         "not the language model.")
+
+
+def test_a_closed_answer_and_its_image_check_embed_the_question_once(head_pipeline):
+    head = head_pipeline.answer_head
+    embedder = head._embedder
+    calls = []
+
+    class Counting:
+        def encode(self, texts, **kwargs):
+            calls.append(list(texts))
+            return embedder.encode(texts, **kwargs)
+
+    head._embedder = Counting()
+    try:
+        done = _ask(head_pipeline, "Is there a nodule in the left lung?", _image(9))
+    finally:
+        head._embedder = embedder
+    assert "flagged" in done.closed  # the blank-image check ran with the same question
+    assert calls == [["Is there a nodule in the left lung?"]]
+
+
+def test_the_free_form_probe_reports_each_questions_answer(tmp_path, capsys):
+    import json as json_module
+
+    from PIL import Image
+
+    from .conftest import load_script
+
+    image = tmp_path / "scan.png"
+    Image.fromarray(_image(10)).save(image)
+    probe = load_script("probe_head_questions")
+    assert probe.main(["--image", str(image), "--questions", "Why?", "Which organ is abnormal?", "--json"]) == 0
+    rows = json_module.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["question"] for row in rows] == ["Why?", "Which organ is abnormal?"]
+    for row in rows:
+        assert row["answer"].lower() not in ("yes", "no") and 0 < row["probability"] <= 1
+        assert 0 <= row["yes_no_share"] <= 1 and "neighbour_answers" not in row  # no --data

@@ -52,7 +52,7 @@ def footer_text(pipeline, settings) -> str:
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
     kinds = [kind for kind, used in (("yes/no questions", getattr(pipeline, "head_closes", False)),
-                                     ("open questions it is confident of", getattr(pipeline, "head_opens", False)))
+                                     ("open questions", getattr(pipeline, "head_opens", False)))
              if used]
     answerer = (f" · {' and '.join(kinds)} are answered by the image encoder's own answer head, not the language "
                 "model" if kinds else "")

@@ -173,9 +173,9 @@ class _Answer:
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
                    if self.confidence_note else {}),
-                **({"answered_by": {"answerer": "encoder_head", "note": open_note(self.head_open),
+                **({"answered_by": {"answerer": "encoder_head", "note": head_note,
                                     "probability": round(float(self.head_open["probability"]), 4)}}
-                   if open_note(self.head_open) else {}),
+                   if (head_note := open_note(self.head_open)) else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),
