@@ -62,13 +62,26 @@ def open_note(record: dict | None) -> str:
     `answered`); "" for any other answer."""
     if not record or not record.get("answered"):
         return ""
-    return (f"Answered by the image encoder's own answer head, which picks one of the {record['vocabulary']} "
+    note = (f"Answered by the image encoder's own answer head, which picks one of the {record['vocabulary']} "
             f"answers of its training questions (its probability for this one: {100 * record['probability']:.0f} %, "
             "not a measured accuracy), not by the language model.")
+    if record.get("nearest"):
+        note += f" The training question most like yours: \u201c{record['nearest']}\u201d"
+    return note
 
 
 class AnswerHeadError(ValueError):
     """The heads file cannot answer for this model (another encoder, another token grid, no such file)."""
+
+
+def _read(path: Path, missing: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a safetensors file; AnswerHeadError(missing, with {path}) if there is none."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise AnswerHeadError(missing.format(path=path))
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata() or {}, {name: handle.get_tensor(name) for name in handle.keys()}
 
 
 class AnswerLayers(nn.Module):
@@ -106,18 +119,16 @@ class AnswerHead:
         self._yes, self._no = answers.index("yes"), answers.index("no")
         # The last question embedded: a closed answer's image check asks the same question of a blank image.
         self._last: tuple[str, torch.Tensor] | None = None
+        # The questions it was trained on, embedded (attach_questions): an open question unlike them all
+        # goes to the decoder (decoder.head_open_min_similarity).
+        self.questions: list[str] = []
+        self._question_vectors: torch.Tensor | None = None
 
     @classmethod
     def load(cls, path: str | Path, embedder=None) -> "AnswerHead":
-        from safetensors import safe_open
-
         path = Path(path)
-        if not path.is_file():
-            raise AnswerHeadError(f"no answer head at {path}: the 'encoder_head' answerer needs the heads "
-                                  "file scripts/train_encoder.py writes beside the encoder")
-        with safe_open(str(path), "pt") as handle:
-            meta = handle.metadata() or {}
-            state = {name: handle.get_tensor(name) for name in handle.keys()}
+        meta, state = _read(path, "no answer head at {path}: the 'encoder_head' answerer needs the heads file "
+                                  "scripts/train_encoder.py writes beside the encoder")
         answers = json.loads(meta.get("answers", "[]"))
         if "yes" not in answers or "no" not in answers:
             raise AnswerHeadError(f"{path} has no yes/no answers in its vocabulary")
@@ -126,6 +137,37 @@ class AnswerHead:
         layers = AnswerLayers(len(answers), mine["question.weight"].shape[1], mine["image.weight"].shape[0])
         layers.load_state_dict(mine)
         return cls(layers, answers, meta.get("encoder_sha256"), heads_digest(state, meta), embedder)
+
+    def attach_questions(self, path: str | Path) -> "AnswerHead":
+        """Load the head's training questions, embedded (scripts/build_head_questions.py); refuse a file
+        written for other heads or with another question embedder."""
+        path = Path(path)
+        meta, tensors = _read(path, "no head questions at {path}: decoder.head_open_min_similarity needs the file "
+                                    "scripts/build_head_questions.py writes")
+        vectors = tensors.get("embeddings", torch.zeros(0, 0))
+        if meta.get("answer_head_digest") != self.digest:
+            raise AnswerHeadError(f"{path} holds the questions of answer head {str(meta.get('answer_head_digest'))[:12]}…, "
+                                  f"not of this one ({self.digest[:12]}…); rebuild it with scripts/build_head_questions.py")
+        if meta.get("embedder") != QUESTION_EMBEDDER:
+            raise AnswerHeadError(f"{path} was embedded with {meta.get('embedder')!r}, the head reads {QUESTION_EMBEDDER!r}")
+        questions = json.loads(meta.get("questions", "[]"))
+        if len(questions) != vectors.shape[0] or not questions:
+            raise AnswerHeadError(f"{path} holds {vectors.shape[0]} embeddings for {len(questions)} questions")
+        self.questions, self._question_vectors = questions, vectors.float()
+        return self
+
+    def nearest_questions(self, questions: list[str]) -> list[tuple[float, str]]:
+        """Per question, (cosine similarity, text) of the training question most like it (attach_questions
+        first)."""
+        if self._question_vectors is None:
+            raise AnswerHeadError("the head's training questions are not loaded (attach_questions)")
+        vectors = torch.nn.functional.normalize(self.embed(questions).float(), dim=1)
+        best = (vectors @ self._question_vectors.T).max(dim=1)
+        return [(float(value), self.questions[int(index)]) for value, index in zip(best.values, best.indices)]
+
+    def nearest_question(self, question: str) -> tuple[float, str]:
+        """(cosine similarity, text) of the training question most like `question`."""
+        return self.nearest_questions([question])[0]
 
     @staticmethod
     def digest_of(path: str | Path) -> str:

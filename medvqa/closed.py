@@ -45,16 +45,23 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     if "open_answerer" in uses and not 0.0 <= decoder.head_open_min_probability <= 1.0:
         raise AnswerHeadError(f"decoder.head_open_min_probability is {decoder.head_open_min_probability}; "
                               "it is a probability, from 0 (the head answers every open question) to 1 (none)")
+    if "open_answerer" in uses and not 0.0 <= decoder.head_open_min_similarity <= 1.0:
+        raise AnswerHeadError(f"decoder.head_open_min_similarity is {decoder.head_open_min_similarity}; it is a cosine "
+                              "similarity, from 0 (off) to 1 (only questions nearly word for word like a training question)")
     if model is None:
         raise AnswerHeadError(f"decoder.{uses[0]} 'encoder_head' reads the local image encoder's tokens; "
                               f"the {decoder.engine!r} engine runs its own vision side")
     head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
     head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+    if "open_answerer" in uses and decoder.head_open_min_similarity > 0:
+        head.attach_questions(resolve_path(decoder.head_questions) if decoder.head_questions else "")
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
     log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(
         "yes/no questions (decoder.closed_answerer)" if use == "closed_answerer" else
-        f"open questions above probability {decoder.head_open_min_probability:g} (decoder.open_answerer)"
+        f"open questions above probability {decoder.head_open_min_probability:g}"
+        + (f" like its training questions (similarity ≥ {decoder.head_open_min_similarity:g})"
+           if decoder.head_open_min_similarity > 0 else "") + " (decoder.open_answerer)"
         for use in uses))
     return head
 

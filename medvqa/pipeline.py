@@ -77,7 +77,9 @@ class Done:
     confidence_note: str = ""
     # With decoder.open_answerer "encoder_head", an open question's answer head reading: {"answer",
     # "probability" (among its answers other than yes/no), "min_probability", "vocabulary" (how many
-    # answers it picks from), "answered" (whether it is the answer given; else the decoder's is)}.
+    # answers it picks from), "answered" (whether it is the answer given; else the decoder's is)}, and
+    # with decoder.head_open_min_similarity set, "similarity" and "nearest" (the training question most
+    # like this one) and "min_similarity".
     head_open: dict | None = None
 
 
@@ -385,12 +387,20 @@ class Pipeline(ClosedQuestions):
 
     def _head_open(self, conversation: Conversation, question: str) -> dict:
         """The answer head's reading of an open question (Done.head_open): it answers when its
-        probability is above decoder.head_open_min_probability."""
+        probability is above decoder.head_open_min_probability and, where decoder.head_open_min_similarity
+        is set, the question is like one it was trained on."""
         answer, probability = self.answer_head.open_answer(
             self.model.vision_tokens(conversation.image, conversation.digest), question)
-        threshold = self.settings.decoder.head_open_min_probability
-        return {"answer": answer, "probability": probability, "min_probability": threshold,
-                "vocabulary": len(self.answer_head.vocabulary) - 2, "answered": probability > threshold}
+        decoder = self.settings.decoder
+        reading = {"answer": answer, "probability": probability, "min_probability": decoder.head_open_min_probability,
+                   "vocabulary": len(self.answer_head.vocabulary) - 2}
+        answered = probability > decoder.head_open_min_probability
+        if decoder.head_open_min_similarity > 0:
+            similarity, nearest = self.answer_head.nearest_question(question)
+            reading.update(similarity=similarity, nearest=nearest, min_similarity=decoder.head_open_min_similarity)
+            answered = answered and similarity >= decoder.head_open_min_similarity
+        reading["answered"] = answered
+        return reading
 
     def warm_next_turn(self, conversation: Conversation, draft: str = "", *,
                        still_wanted: Callable[[], bool] | None = None) -> int:

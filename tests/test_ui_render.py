@@ -275,3 +275,8 @@ def test_an_open_answer_the_encoder_head_gave_says_so_on_the_page_and_in_the_tra
     # Below its threshold the decoder answered: nothing is said of the head.
     answer.head_open = dict(head, answered=False)
     assert "answer head" not in _render_answer(answer, final=True) and "answered_by" not in answer.record()
+    # With decoder.head_open_min_similarity, the training question most like the clinician's is named
+    # (escaped: it is dataset text) and the transcript keeps the similarity.
+    answer.head_open = dict(head, similarity=0.97, nearest="Which organ is <b>abnormal</b>?", min_similarity=0.95)
+    assert "most like yours: \u201cWhich organ is &lt;b&gt;abnormal&lt;/b&gt;?\u201d" in _render_answer(answer, final=True)
+    assert answer.record()["answered_by"]["similarity"] == 0.97

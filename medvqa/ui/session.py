@@ -174,7 +174,9 @@ class _Answer:
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
                    if self.confidence_note else {}),
                 **({"answered_by": {"answerer": "encoder_head", "note": head_note,
-                                    "probability": round(float(self.head_open["probability"]), 4)}}
+                                    "probability": round(float(self.head_open["probability"]), 4),
+                                    **({"similarity": round(float(self.head_open["similarity"]), 4)}
+                                       if "similarity" in self.head_open else {})}}
                    if (head_note := open_note(self.head_open)) else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}

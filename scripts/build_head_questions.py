@@ -1,0 +1,79 @@
+"""Write the answer head's training questions, embedded, beside the heads (weights/offline/head_questions.safetensors).
+
+With decoder.open_answerer "encoder_head" the head answers an open question only when the question is
+like one it was trained on: the cosine similarity of its MiniLM embedding to the nearest of these
+questions is at least decoder.head_open_min_similarity (scripts/tune_open_head.py chooses it). A
+question unlike them all ("Describe the findings in this scan.", "What could cause this consolidation?")
+goes to the decoder, which writes a sentence, instead of getting one of the head's answer words.
+
+    python scripts/build_head_questions.py --data vqa-rad:train slake:train pathvqa:DIR:train --holdout-percent 15
+
+The questions are those of the training images the head trained on: the images held out of every
+training step (--holdout-percent, by content, as scripts/train_encoder.py holds them out) are left out,
+so that a held-out question measured by tune_open_head.py is compared with questions of other images
+only. Distinct question texts (stripped), sorted; embeddings L2-normalised, stored in float16. The file
+names the heads it belongs to (answer_head_digest); the app refuses it beside other heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def training_questions(specs: list[str], holdout_percent: float) -> list[str]:
+    """Distinct questions (stripped, sorted) of the training images not held out."""
+    from medvqa.datasets import load_specs
+    from medvqa_train.data import held_out_by_content
+
+    questions: set[str] = set()
+    for spec in specs:
+        examples = load_specs([spec])
+        left_out = set(held_out_by_content(examples, holdout_percent)[1]) if holdout_percent > 0 else set()
+        questions |= {example.question.strip() for i, example in enumerate(examples) if i not in left_out}
+    return sorted(q for q in questions if q)
+
+
+def questions_sha256(questions: list[str]) -> str:
+    return hashlib.sha256("\n".join(questions).encode()).hexdigest()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="training data specs, as for train_encoder.py (vqa-rad:train slake:train pathvqa:DIR:train)")
+    parser.add_argument("--holdout-percent", type=float, default=15.0)
+    parser.add_argument("--heads", default=str(REPO / "weights" / "offline" / "encoder_heads.safetensors"))
+    parser.add_argument("--out", default=str(REPO / "weights" / "offline" / "head_questions.safetensors"))
+    args = parser.parse_args(argv)
+
+    import torch
+    from safetensors.torch import save_file
+
+    from medvqa.answer_head import QUESTION_EMBEDDER, AnswerHead
+
+    questions = training_questions(args.data, args.holdout_percent)
+    if not questions:
+        raise SystemExit(f"no questions in {args.data}")
+    head = AnswerHead.load(args.heads)
+    embeddings = head.embed(questions).float()
+    embeddings = torch.nn.functional.normalize(embeddings, dim=1).to(torch.float16).contiguous()
+    metadata = {"questions": json.dumps(questions), "questions_sha256": questions_sha256(questions),
+                "answer_head_digest": head.digest, "embedder": QUESTION_EMBEDDER,
+                "data": json.dumps(args.data), "holdout_percent": f"{args.holdout_percent:g}",
+                "command": "python scripts/build_head_questions.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_file({"embeddings": embeddings}, args.out, metadata=metadata)
+    print(f"{len(questions)} questions ({metadata['questions_sha256'][:12]}…) -> {args.out} "
+          f"({Path(args.out).stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
