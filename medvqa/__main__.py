@@ -156,12 +156,15 @@ def _ask(args) -> int:
     settings = load_settings(args.profile)
     pipeline = Pipeline.load(settings, with_retrieval=False if args.no_retrieval else None)
     conversation = pipeline.new_conversation(scan)
+    mid_line = False  # the answer's last line is not ended yet
     try:
         for event in pipeline.ask(conversation, args.question, safe_meta=scan.safe_meta):
             if isinstance(event, Token):
                 print(visible(event.text), end="", flush=True)  # a bidirectional override never reaches the terminal
+                mid_line = True
             elif isinstance(event, Done):
-                print()
+                if mid_line:
+                    print()
                 finding = check_answer(event.answer, event.passages, question=args.question)
                 if finding is not None:
                     print(f"WARNING: {finding.warning}")
@@ -181,6 +184,9 @@ def _ask(args) -> int:
                 if event.window:
                     print(f"(image window: {event.window})")
             elif isinstance(event, Sources) and event.note:
+                if mid_line:  # the note (on stderr) starts a line of its own, after the answer
+                    print(flush=True)
+                    mid_line = False
                 print(f"({event.note})", file=sys.stderr)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -33,7 +33,7 @@ import torch
 
 from .answers import closed_candidates
 from .closed import ClosedQuestions, load_answer_head
-from .confidence import calibration_for, image_group, leaning_text
+from .confidence import HEAD, calibration_for, image_group, leaning_text
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -298,7 +298,16 @@ class Pipeline(ClosedQuestions):
             raise ValueError("Please type a question about the image.")
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        in_prompt = self.passages_in_prompt(question)
+        if constrained is None:
+            constrained = self.settings.decoder.constrained_closed
+        options = closed_candidates(question)
+        candidates = options if constrained and self.engine.scores_options else None
+        route, presupposed = self._closed_route(question, candidates) if candidates else (None, None)
+        head_open = self._head_open(conversation, question) if options is None and self.head_opens else None
+        # The encoder's answer head reads the image and the question only: when it answers, no passage
+        # goes into a prompt, and those shown beside the answer are related literature, not sources read.
+        by_head = route == HEAD or bool(head_open and head_open["answered"])
+        in_prompt = self.passages_in_prompt(question) and not by_head
 
         def sources(query: str) -> Sources:
             nonlocal passages
@@ -323,16 +332,10 @@ class Pipeline(ClosedQuestions):
         if prompt.token_ids:
             timings["prompt_tokens"] = len(prompt)
         request = self._request(conversation.image, prompt, conversation.digest, conversation.id)
-        if constrained is None:
-            constrained = self.settings.decoder.constrained_closed
-        options = closed_candidates(question)
-        candidates = options if constrained and self.engine.scores_options else None
         closed = None
         confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
-        head_open = self._head_open(conversation, question) if options is None and self.head_opens else None
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
-            route, presupposed = self._closed_route(question, candidates)
             if presupposed:
                 # Through the open question it presupposes: "Yes" when the value it names is the best.
                 open_prompt = self.prompts.build(presupposed.question, conversation.history, prompt_passages,

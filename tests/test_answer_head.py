@@ -434,3 +434,21 @@ def test_the_head_questions_are_the_training_images_questions_but_the_held_out(t
     question = sorted(kept)[0]
     similarity, nearest = head.nearest_question(question)
     assert nearest == question and similarity == pytest.approx(1.0, abs=2e-3)
+
+
+def test_passages_never_go_into_a_prompt_for_an_answer_the_head_gives(open_head_pipeline, head_pipeline):
+    from .conftest import prompt_gate
+
+    question, image = "What modality is used to take this image?", _image(12)
+    settings = copy.deepcopy(open_head_pipeline.settings)
+    settings.decoder.head_open_min_probability = 1.0
+    decoder_answers = Pipeline(settings, open_head_pipeline.engine, open_head_pipeline.model)
+    with prompt_gate(open_head_pipeline, "always"), prompt_gate(head_pipeline, "always"), \
+            prompt_gate(decoder_answers, "always"):
+        by_head = _ask(open_head_pipeline, question, image)
+        assert by_head.head_open["answered"] and not by_head.in_prompt
+        closed = _ask(head_pipeline, "Is there a nodule in the left lung?", image)
+        assert closed.closed["kind"] == HEAD and not closed.in_prompt
+        # The decoder reads them when it answers.
+        assert _ask(decoder_answers, question, image).in_prompt
+        assert _ask(head_pipeline, question, image).in_prompt

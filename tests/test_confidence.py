@@ -282,6 +282,26 @@ def test_the_command_line_shows_a_closed_answers_confidence(tiny_pipeline, monke
             in capsys.readouterr().out)
 
 
+def test_the_command_line_ends_the_answers_line_before_a_note(tiny_pipeline, monkeypatch, tmp_path, capsys):
+    import contextlib
+    import sys
+
+    from PIL import Image
+
+    from medvqa.__main__ import main
+    from medvqa.pipeline import Pipeline
+
+    image = tmp_path / "scan.png"
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(image)
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    # Passages shown beside the answer are looked for after it: the note comes after the answer's words.
+    with contextlib.redirect_stderr(sys.stdout), prompt_gate(tiny_pipeline, "never"):  # as a terminal shows both
+        assert main(["ask", str(image), "Is the heart enlarged?", "--no-retrieval"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = lines.index("(Retrieval is off.)")  # a line of its own, after the answer's
+    assert note >= 1 and lines[note - 1].strip() and "\n\n" not in "\n".join(lines[:note + 2])
+
+
 def test_plot_calibration_writes_an_svg_of_both_panels(tmp_path):
     import xml.etree.ElementTree as ElementTree
 
