@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -50,10 +51,12 @@ def heads_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> 
 _CAPITALS = {"ct", "mri", "dwi", "t1", "t2", "pa", "gi", "mca", "iv", "atn", "ms", "cn", "iii", "pas"}
 
 
-def shown_answer(answer: str) -> str:
-    """A vocabulary answer as the app shows it: "ct" -> "CT", "left lung" -> "Left lung"."""
-    words = [word.upper() if word in _CAPITALS else word for word in answer.split(" ")]
-    text = " ".join(words)
+def shown_answer(answer: str, spelling: str | None = None) -> str:
+    """A vocabulary answer as the app shows it, from the way the training answers write it where that is
+    known (`spelling`, scripts/build_head_questions.py): "ct" -> "CT", "left lung" -> "Left lung",
+    "hashimoto s thyroiditis" with "hashimoto's thyroiditis" -> "Hashimoto's thyroiditis"."""
+    text = re.sub(r"[A-Za-z0-9]+", lambda word: word.group().upper() if word.group().lower() in _CAPITALS
+                  else word.group(), spelling or answer).replace(" 's", "'s")  # PathVQA writes "hashimoto 's"
     return text[:1].upper() + text[1:]
 
 
@@ -122,6 +125,7 @@ class AnswerHead:
         # The questions it was trained on, embedded (attach_questions): an open question unlike them all
         # goes to the decoder (decoder.head_open_min_similarity).
         self.questions: list[str] = []
+        self.spellings: dict[str, str] = {}  # vocabulary answer -> as the training answers write it
         self._question_vectors: torch.Tensor | None = None
 
     @classmethod
@@ -154,6 +158,7 @@ class AnswerHead:
         if len(questions) != vectors.shape[0] or not questions:
             raise AnswerHeadError(f"{path} holds {vectors.shape[0]} embeddings for {len(questions)} questions")
         self.questions, self._question_vectors = questions, vectors.float()
+        self.spellings = json.loads(meta.get("answer_spellings", "{}"))
         return self
 
     def nearest_questions(self, questions: list[str]) -> list[tuple[float, str]]:
@@ -224,7 +229,8 @@ class AnswerHead:
         logits[[self._yes, self._no]] = float("-inf")
         probabilities = torch.softmax(logits, dim=0)
         best = int(torch.argmax(probabilities))
-        return shown_answer(self.vocabulary[best]), float(probabilities[best])
+        answer = self.vocabulary[best]
+        return shown_answer(answer, self.spellings.get(answer)), float(probabilities[best])
 
     def scores(self, tokens: torch.Tensor, question: str) -> dict[str, float]:
         """{"yes": logit, "no": logit} for one question about one image's tokens."""

@@ -18,6 +18,7 @@ question the calibration judges the margin by (medvqa/confidence.py).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -53,8 +54,14 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
                               f"the {decoder.engine!r} engine runs its own vision side")
     head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
     head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+    questions = resolve_path(decoder.head_questions) if decoder.head_questions else ""
     if "open_answerer" in uses and decoder.head_open_min_similarity > 0:
-        head.attach_questions(resolve_path(decoder.head_questions) if decoder.head_questions else "")
+        head.attach_questions(questions)
+    elif "open_answerer" in uses and questions and Path(questions).is_file():
+        try:  # not needed without a similarity threshold, but it spells the head's answers as written
+            head.attach_questions(questions)
+        except AnswerHeadError as error:
+            log.warning("the head's answers are shown lower-cased: %s", error)
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
     log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(

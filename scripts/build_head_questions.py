@@ -1,4 +1,5 @@
-"""Write the answer head's training questions, embedded, beside the heads (weights/offline/head_questions.safetensors).
+"""Write the answer head's training questions, embedded, and how its training answers are written, beside
+the heads (weights/offline/head_questions.safetensors).
 
 With decoder.open_answerer "encoder_head" the head answers an open question only when the question is
 like one it was trained on: the cosine similarity of its MiniLM embedding to the nearest of these
@@ -13,6 +14,10 @@ training step (--holdout-percent, by content, as scripts/train_encoder.py holds 
 so that a held-out question measured by tune_open_head.py is compared with questions of other images
 only. Distinct question texts (stripped), sorted; embeddings L2-normalised, stored in float16. The file
 names the heads it belongs to (answer_head_digest); the app refuses it beside other heads.
+
+The head's vocabulary is lower-cased with punctuation dropped ("hashimoto s thyroiditis", "left lobe mass 1
+5 x 1 8 cm"); the file also keeps, for each of its answers, the way the training answers most often write
+it ("Hashimoto's thyroiditis"), which the app shows.
 """
 
 from __future__ import annotations
@@ -27,17 +32,38 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def training_questions(specs: list[str], holdout_percent: float) -> list[str]:
-    """Distinct questions (stripped, sorted) of the training images not held out."""
+def training_examples(specs: list[str], holdout_percent: float) -> list:
+    """The examples of the training images not held out."""
     from medvqa.datasets import load_specs
     from medvqa_train.data import held_out_by_content
 
-    questions: set[str] = set()
+    kept = []
     for spec in specs:
         examples = load_specs([spec])
         left_out = set(held_out_by_content(examples, holdout_percent)[1]) if holdout_percent > 0 else set()
-        questions |= {example.question.strip() for i, example in enumerate(examples) if i not in left_out}
-    return sorted(q for q in questions if q)
+        kept += [example for i, example in enumerate(examples) if i not in left_out]
+    return kept
+
+
+def training_questions(specs: list[str], holdout_percent: float, examples: list | None = None) -> list[str]:
+    """Distinct questions (stripped, sorted) of the training images not held out."""
+    examples = training_examples(specs, holdout_percent) if examples is None else examples
+    return sorted({example.question.strip() for example in examples} - {""})
+
+
+def answer_spellings(examples: list, vocabulary: list[str]) -> dict[str, str]:
+    """For each answer of the head's vocabulary (lower-cased, punctuation dropped: "hashimoto s
+    thyroiditis"), the way the training answers most often write it ("Hashimoto's thyroiditis"); the
+    first in alphabetical order on a tie."""
+    import collections
+
+    from medvqa.answers import normalise
+
+    written: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for example in examples:
+        written[normalise(example.answer)][example.answer.strip()] += 1
+    return {answer: min(written[answer].items(), key=lambda item: (-item[1], item[0]))[0]
+            for answer in vocabulary if written.get(answer)}
 
 
 def questions_sha256(questions: list[str]) -> str:
@@ -58,19 +84,22 @@ def main(argv=None) -> int:
 
     from medvqa.answer_head import QUESTION_EMBEDDER, AnswerHead
 
-    questions = training_questions(args.data, args.holdout_percent)
+    examples = training_examples(args.data, args.holdout_percent)
+    questions = training_questions(args.data, args.holdout_percent, examples)
     if not questions:
         raise SystemExit(f"no questions in {args.data}")
     head = AnswerHead.load(args.heads)
+    spellings = answer_spellings(examples, [a for a in head.vocabulary if a not in ("yes", "no")])
     embeddings = head.embed(questions).float()
     embeddings = torch.nn.functional.normalize(embeddings, dim=1).to(torch.float16).contiguous()
     metadata = {"questions": json.dumps(questions), "questions_sha256": questions_sha256(questions),
-                "answer_head_digest": head.digest, "embedder": QUESTION_EMBEDDER,
+                "answer_head_digest": head.digest, "answer_spellings": json.dumps(spellings, sort_keys=True), "embedder": QUESTION_EMBEDDER,
                 "data": json.dumps(args.data), "holdout_percent": f"{args.holdout_percent:g}",
                 "command": "python scripts/build_head_questions.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file({"embeddings": embeddings}, args.out, metadata=metadata)
-    print(f"{len(questions)} questions ({metadata['questions_sha256'][:12]}…) -> {args.out} "
+    print(f"{len(questions)} questions ({metadata['questions_sha256'][:12]}…), the spelling of "
+          f"{len(spellings)} answers -> {args.out} "
           f"({Path(args.out).stat().st_size / 2**20:.1f} MiB)")
     return 0
 

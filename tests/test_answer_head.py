@@ -298,6 +298,10 @@ def test_answers_are_shown_in_clinical_spelling():
     assert shown_answer("t2 weighted") == "T2 weighted"
     assert shown_answer("left lung") == "Left lung"
     assert shown_answer("x-ray") == "X-ray"
+    # As the training answers write it, where the head's questions file says so.
+    assert shown_answer("hashimoto s thyroiditis", "hashimoto 's thyroiditis") == "Hashimoto's thyroiditis"
+    assert shown_answer("brain edema brain tumor", "Brain Edema, Brain Tumor") == "Brain Edema, Brain Tumor"
+    assert shown_answer("atn acute tubular necrosis", "atn acute tubular necrosis") == "ATN acute tubular necrosis"
 
 
 def test_the_page_footer_says_when_the_head_answers_open_questions(open_head_pipeline):
@@ -362,6 +366,14 @@ def test_the_shipped_head_questions_belong_to_the_shipped_head():
     assert meta["questions_sha256"] == load.questions_sha256(questions) and questions == sorted(set(questions))
     assert vectors.dtype == torch.float16 and vectors.shape == (len(questions), 384)
     assert "What modality is used to take this image?" in questions
+    # Each answer but yes and no as the training answers write it, which normalises back to the answer.
+    from medvqa.answers import normalise
+
+    spellings = json.loads(meta["answer_spellings"])
+    vocabulary = AnswerHead.load(HEADS).vocabulary
+    assert sorted(spellings) == sorted(a for a in vocabulary if a not in ("yes", "no"))
+    assert all(normalise(written) == answer for answer, written in spellings.items())
+    assert spellings["lung heart"] == "Lung, Heart"
 
 
 def importlib_script(name):
@@ -434,6 +446,16 @@ def test_the_head_questions_are_the_training_images_questions_but_the_held_out(t
     question = sorted(kept)[0]
     similarity, nearest = head.nearest_question(question)
     assert nearest == question and similarity == pytest.approx(1.0, abs=2e-3)
+    # The answers' spellings come with it: an open answer is shown as the training answers write it.
+    from medvqa.answer_head import shown_answer
+
+    assert head.spellings and set(head.spellings) <= set(head.vocabulary)
+    tokens = torch.zeros(16, 1280)
+    answer, _ = head.open_answer(tokens, "What is shown?")
+    logits = head.logits(tokens, ["What is shown?"])[0].clone()
+    logits[[head.vocabulary.index("yes"), head.vocabulary.index("no")]] = float("-inf")
+    best = head.vocabulary[int(torch.argmax(logits))]
+    assert answer == shown_answer(best, head.spellings.get(best))
 
 
 def test_passages_never_go_into_a_prompt_for_an_answer_the_head_gives(open_head_pipeline, head_pipeline):
