@@ -175,7 +175,7 @@ def _ask(args) -> int:
                     # answers already say theirs).
                     print(f"(Confidence: {confidence_text(event.closed)})")
                 if reading := reading_text(event.closed) or open_note(event.head_open):
-                    print(f"({reading})")
+                    print(f"({visible(reading)})")  # it may quote a training question (dataset text)
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")
                 for number, passage in enumerate(event.passages, start=1):

@@ -56,7 +56,7 @@ def shown_answer(answer: str, spelling: str | None = None) -> str:
     known (`spelling`, scripts/build_head_questions.py): "ct" -> "CT", "left lung" -> "Left lung",
     "hashimoto s thyroiditis" with "hashimoto's thyroiditis" -> "Hashimoto's thyroiditis"."""
     text = re.sub(r"[A-Za-z0-9]+", lambda word: word.group().upper() if word.group().lower() in _CAPITALS
-                  else word.group(), spelling or answer).replace(" 's", "'s")  # PathVQA writes "hashimoto 's"
+                  else word.group(), " ".join((spelling or answer).split())).replace(" 's", "'s")  # PathVQA: "hashimoto 's"
     return text[:1].upper() + text[1:]
 
 
@@ -83,8 +83,18 @@ def _read(path: Path, missing: str) -> tuple[dict[str, str], dict[str, torch.Ten
 
     if not path.is_file():
         raise AnswerHeadError(missing.format(path=path))
-    with safe_open(str(path), "pt") as handle:
-        return handle.metadata() or {}, {name: handle.get_tensor(name) for name in handle.keys()}
+    try:
+        with safe_open(str(path), "pt") as handle:
+            return handle.metadata() or {}, {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as error:  # safetensors' own errors are not ValueErrors
+        raise AnswerHeadError(f"{path} is not a readable safetensors file: {error}") from error
+
+
+def question_form(question: str) -> str:
+    """A question as its likeness to the training questions is measured: spaces collapsed, its closing
+    punctuation made one question mark ("Where is the liver" and "Where is the liver?" are the same
+    question; nearly all training questions end in one)."""
+    return re.sub(r"[\s?.!]+$", "", " ".join(question.split())) + "?"
 
 
 class AnswerLayers(nn.Module):
@@ -126,6 +136,7 @@ class AnswerHead:
         # goes to the decoder (decoder.head_open_min_similarity).
         self.questions: list[str] = []
         self.spellings: dict[str, str] = {}  # vocabulary answer -> as the training answers write it
+        self.questions_digest = ""  # SHA-256 of the attached questions (a run's name says which)
         self._question_vectors: torch.Tensor | None = None
 
     @classmethod
@@ -147,8 +158,11 @@ class AnswerHead:
         written for other heads or with another question embedder."""
         path = Path(path)
         meta, tensors = _read(path, "no head questions at {path}: decoder.head_open_min_similarity needs the file "
-                                    "scripts/build_head_questions.py writes")
+                                    "scripts/build_head_questions.py writes (decoder.head_questions)")
         vectors = tensors.get("embeddings", torch.zeros(0, 0))
+        if vectors.dim() != 2 or vectors.shape[1] != self.layers.question.in_features:
+            raise AnswerHeadError(f"{path} holds embeddings of shape {tuple(vectors.shape)}; the head's question "
+                                  f"embedder gives {self.layers.question.in_features} numbers a question")
         if meta.get("answer_head_digest") != self.digest:
             raise AnswerHeadError(f"{path} holds the questions of answer head {str(meta.get('answer_head_digest'))[:12]}…, "
                                   f"not of this one ({self.digest[:12]}…); rebuild it with scripts/build_head_questions.py")
@@ -158,15 +172,16 @@ class AnswerHead:
         if len(questions) != vectors.shape[0] or not questions:
             raise AnswerHeadError(f"{path} holds {vectors.shape[0]} embeddings for {len(questions)} questions")
         self.questions, self._question_vectors = questions, vectors.float()
+        self.questions_digest = meta.get("questions_sha256") or hashlib.sha256("\n".join(questions).encode()).hexdigest()
         self.spellings = json.loads(meta.get("answer_spellings", "{}"))
         return self
 
     def nearest_questions(self, questions: list[str]) -> list[tuple[float, str]]:
-        """Per question, (cosine similarity, text) of the training question most like it (attach_questions
-        first)."""
+        """Per question, (cosine similarity, text) of the training question most like it, both in their
+        question_form (attach_questions first)."""
         if self._question_vectors is None:
             raise AnswerHeadError("the head's training questions are not loaded (attach_questions)")
-        vectors = torch.nn.functional.normalize(self.embed(questions).float(), dim=1)
+        vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
         best = (vectors @ self._question_vectors.T).max(dim=1)
         return [(float(value), self.questions[int(index)]) for value, index in zip(best.values, best.indices)]
 

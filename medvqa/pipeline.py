@@ -260,6 +260,8 @@ class Pipeline(ClosedQuestions):
         `retrieval.prompt_gate`: "always"; "open" keeps them out of closed (yes/no, either/or) questions;
         "never" shows them as related literature only. The offline profile's 135M decoder, trained
         without passages, answers worse with them in its prompt (scripts/evaluate.py), so it uses "never".
+        An answer the encoder's answer head gives (decoder.closed_answerer / open_answerer) reads none,
+        whatever the gate: Done.in_prompt says what was read.
         """
         gate = self.settings.retrieval.prompt_gate
         return gate == "always" or (gate == "open" and closed_candidates(question) is None)

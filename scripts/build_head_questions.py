@@ -2,17 +2,19 @@
 the heads (weights/offline/head_questions.safetensors).
 
 With decoder.open_answerer "encoder_head" the head answers an open question only when the question is
-like one it was trained on: the cosine similarity of its MiniLM embedding to the nearest of these
-questions is at least decoder.head_open_min_similarity (scripts/tune_open_head.py chooses it). A
+like one it learned to answer in words: the cosine similarity of its MiniLM embedding to the nearest of
+these questions is at least decoder.head_open_min_similarity (scripts/tune_open_head.py chooses it). A
 question unlike them all ("Describe the findings in this scan.", "What could cause this consolidation?")
 goes to the decoder, which writes a sentence, instead of getting one of the head's answer words.
 
     python scripts/build_head_questions.py --data vqa-rad:train slake:train pathvqa:DIR:train --holdout-percent 15
 
-The questions are those of the training images the head trained on: the images held out of every
-training step (--holdout-percent, by content, as scripts/train_encoder.py holds them out) are left out,
-so that a held-out question measured by tune_open_head.py is compared with questions of other images
-only. Distinct question texts (stripped), sorted; embeddings L2-normalised, stored in float16. The file
+The questions are those of the training images the head trained on whose answer is one of its words
+(in its vocabulary, not yes or no): the images held out of every training step (--holdout-percent, by
+content, as scripts/train_encoder.py holds them out) are left out, so that a held-out question measured
+by tune_open_head.py is compared with questions of other images only. Distinct questions in
+answer_head.question_form (closing punctuation made one "?"), sorted; embeddings L2-normalised, stored in
+float16. The file
 names the heads it belongs to (answer_head_digest); the app refuses it beside other heads.
 
 The head's vocabulary is lower-cased with punctuation dropped ("hashimoto s thyroiditis", "left lobe mass 1
@@ -45,10 +47,15 @@ def training_examples(specs: list[str], holdout_percent: float) -> list:
     return kept
 
 
-def training_questions(specs: list[str], holdout_percent: float, examples: list | None = None) -> list[str]:
-    """Distinct questions (stripped, sorted) of the training images not held out."""
-    examples = training_examples(specs, holdout_percent) if examples is None else examples
-    return sorted({example.question.strip() for example in examples} - {""})
+def training_questions(examples: list, vocabulary: list[str]) -> list[str]:
+    """The distinct questions (in question_form, sorted) that the head learned to answer in words: those
+    with an answer in its vocabulary other than yes and no (its answer loss reads no other answer)."""
+    from medvqa.answer_head import question_form
+    from medvqa.answers import normalise
+
+    answers = set(vocabulary) - {"yes", "no"}
+    return sorted({question_form(example.question) for example in examples
+                   if example.question.strip() and normalise(example.answer) in answers})
 
 
 def answer_spellings(examples: list, vocabulary: list[str]) -> dict[str, str]:
@@ -85,10 +92,10 @@ def main(argv=None) -> int:
     from medvqa.answer_head import QUESTION_EMBEDDER, AnswerHead
 
     examples = training_examples(args.data, args.holdout_percent)
-    questions = training_questions(args.data, args.holdout_percent, examples)
-    if not questions:
-        raise SystemExit(f"no questions in {args.data}")
     head = AnswerHead.load(args.heads)
+    questions = training_questions(examples, head.vocabulary)
+    if not questions:
+        raise SystemExit(f"no question in {args.data} has an answer in the head's vocabulary")
     spellings = answer_spellings(examples, [a for a in head.vocabulary if a not in ("yes", "no")])
     embeddings = head.embed(questions).float()
     embeddings = torch.nn.functional.normalize(embeddings, dim=1).to(torch.float16).contiguous()

@@ -145,7 +145,7 @@ def main() -> None:
     if pipeline.head_opens:  # decoder.open_answerer "encoder_head": which head, above which probability
         closed += f"-openhead-{pipeline.answer_head.digest[:10]}-{settings.decoder.head_open_min_probability:g}"
         if settings.decoder.head_open_min_similarity > 0:  # and only questions like its training questions
-            closed += f"-like{settings.decoder.head_open_min_similarity:g}"
+            closed += f"-like{settings.decoder.head_open_min_similarity:g}-{pipeline.answer_head.questions_digest[:8]}"
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name

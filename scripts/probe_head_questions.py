@@ -65,13 +65,18 @@ def main(argv=None) -> int:
 
     import torch
 
-    from medvqa.answer_head import AnswerHead
+    from medvqa.answer_head import AnswerHead, AnswerHeadError
     from medvqa.config import load_settings, resolve_path
     from medvqa.datasets import read_image
     from medvqa.vision import build_vision
 
     settings = load_settings("offline")
     head = AnswerHead.load(resolve_path(settings.decoder.answer_head))
+    questions_file = resolve_path(settings.decoder.head_questions) if settings.decoder.head_questions else None
+    try:  # the training questions it learned to answer, and its answers' spelling, as the app has them
+        head.attach_questions(questions_file or "")
+    except AnswerHeadError as error:
+        print(f"(no similarity: {error})")
     vision = build_vision(settings.vision, torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         tokens = vision.encode(vision.preprocess([read_image(args.image)]))
@@ -81,9 +86,7 @@ def main(argv=None) -> int:
         whole = torch.softmax(head.logits(tokens, [question])[0], dim=0)
         rows.append({"question": question, "answer": answer, "probability": round(probability, 3),
                      "yes_no_share": round(float(whole[head.vocabulary.index("yes")] + whole[head.vocabulary.index("no")]), 3)})
-    questions_file = resolve_path(settings.decoder.head_questions) if settings.decoder.head_questions else None
-    if questions_file and Path(questions_file).is_file():
-        head.attach_questions(questions_file)
+    if head.questions:
         for row, (similarity, nearest) in zip(rows, head.nearest_questions(args.questions)):
             row["similarity"], row["nearest"] = round(similarity, 3), nearest
     if args.data:

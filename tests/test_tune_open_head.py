@@ -57,7 +57,7 @@ def _like(row, similarity):
     return row
 
 
-def test_the_similarity_threshold_keeps_the_head_to_questions_like_its_training_ones(tmp_path, capsys):
+def test_the_similarity_threshold_keeps_the_head_to_questions_like_its_training_ones(tmp_path, capsys, monkeypatch):
     # The head is right on the questions like its training ones (0.97, 0.9), wrong on the unlike one
     # (0.6), where the decoder is right; on PathVQA a question at 0.8 the head gets right.
     slake = _write(tmp_path / "eval-x-heldout-slake-y.jsonl", [
@@ -73,11 +73,14 @@ def test_the_similarity_threshold_keeps_the_head_to_questions_like_its_training_
     # Best mean 0.75 from 0.65 to 0.80; from 0.85 PathVQA's right head answer goes to the wrong decoder.
     assert chosen == 0.8
     assert [line["free_form_to_head"] for line in lines if line["min_similarity"] in (0.0, 0.8, 0.9)] == [1.0, 0.5, 0.0]
-    # A tolerance of 25 points lets it go to the top of the grid (a mean of 0.5 from 0.85).
-    assert tune_open_head.choose_similarity(tables, 0.05, tolerance=25.0)[0] == 0.95
+    # A tolerance of 25 points lets it go to 0.97 (a mean of 0.5 from 0.85); at 0.98 SLAKE's "a" goes too.
+    assert tune_open_head.choose_similarity(tables, 0.05, tolerance=25.0)[0] == 0.97
+    # What the decoder and the head do on the questions handed over: PathVQA's "d" at 0.85.
+    assert tune_open_head.handed_over(tables["pathvqa"], 0.05, 0.85) == (1, 0.0, 1.0)
     # The runs recorded the similarities, so main needs no head (the free-form questions it does embed:
     # here with a stand-in for the head's embedder).
-    tune_open_head.head_similarities = lambda path: (lambda qs: [0.3 if q == "Why?" else 0.85 for q in qs])
+    monkeypatch.setattr(tune_open_head, "head_similarities",
+                        lambda path: (lambda qs: [0.3 if q == "Why?" else 0.85 for q in qs]))
     assert tune_open_head.main([str(slake), str(pathvqa), "--tolerance", "0", "--free-form", str(questions),
                                 "--json", str(tmp_path / "out.json")]) == 0
     out = json.loads((tmp_path / "out.json").read_text())
@@ -92,3 +95,11 @@ def test_other_questions_are_read_from_text_or_llava_med_jsonl(tmp_path):
     jsonl.write_text(json.dumps({"question_id": 0, "text": "What is the organ in the image?\n<image>"}) + "\n")
     assert tune_open_head.read_questions(text) == ["What is shown?", "Why?"]
     assert tune_open_head.read_questions(jsonl) == ["What is the organ in the image?"]
+
+
+def test_two_runs_of_one_data_set_are_refused(tmp_path):
+    rows = [_like(_row("a", "Liver", "lung", "Liver", 0.9), 0.97)]
+    first = _write(tmp_path / "eval-a-heldout-slake-1.jsonl", rows)
+    second = _write(tmp_path / "eval-b-heldout-slake-2.jsonl", rows)
+    with pytest.raises(SystemExit):
+        tune_open_head.main([str(first), str(second)])
