@@ -348,6 +348,23 @@ def test_the_free_form_probe_reports_each_questions_answer(tmp_path, capsys):
     for row in rows:
         assert row["answer"].lower() not in ("yes", "no") and 0 < row["probability"] <= 1
         assert 0 <= row["yes_no_share"] <= 1 and "neighbour_answers" not in row  # no --data
+        assert 0 < row["similarity"] <= 1.001 and row["nearest"]  # the shipped questions file
+
+
+def test_the_probe_counts_the_answers_of_the_nearest_training_questions():
+    from medvqa.answer_head import AnswerHead
+
+    from .conftest import load_script
+
+    probe = load_script("probe_head_questions")
+    head = AnswerHead.load(HEADS)
+    questions = ["How many kidneys are there?", "Hello, who are you?"]
+    counts = probe.neighbour_answers(head, questions, ["vqa-rad:train"], 15.0, 10)
+    # A counting question's neighbours agree on fewer answers than a greeting's (generic questions, each
+    # asked of many images); more neighbours never give fewer answers.
+    assert 1 <= counts[0] < counts[1]
+    nearest = probe.neighbour_answers(head, questions, ["vqa-rad:train"], 15.0, 1)
+    assert all(1 <= one <= ten for one, ten in zip(nearest, counts))
 
 
 QUESTIONS = REPO_ROOT / "weights" / "offline" / "head_questions.safetensors"
