@@ -458,3 +458,30 @@ def test_evaluate_grounding_reports_the_threshold_of_each_image_group(tiny_setti
     pooled.groups = {"grey": Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"min_confidence": 0.72, "met": True}}),
                      "colour": Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"met": False}})}
     assert thresholds(pooled, decoder) == {"colour": decoder.min_confidence, "grey": 0.72, "other images": 0.66}
+
+
+def test_the_wording_probe_splits_image_groups_and_falls_back_to_them():
+    probe = load_script("probe_calibration_wording")
+    rng = np.random.default_rng(5)
+    # 500 grey questions worded like training (right more often as the margin grows), 150 worded
+    # otherwise (a coin flip at any margin: too few to fit, so their image group's fit and threshold).
+    margin = np.concatenate([rng.uniform(0, 4, 500), rng.uniform(0, 4, 150)])
+    correct = np.concatenate([rng.uniform(0, 1, 500) < 0.45 + 0.12 * margin[:500], rng.uniform(0, 1, 150) < 0.5])
+    similarity = np.concatenate([np.full(500, 0.99), np.full(150, 0.5)])
+    scores = {"margin": margin, "correct": correct, "kind": np.full(650, "head"),
+              "image": np.asarray([f"img{i % 130}" for i in range(650)]), "group": np.full(650, "grey"),
+              "data": np.asarray(["slake"] * 500 + ["vqa-rad"] * 150)}
+    groups = probe.worded_groups(scores["group"], similarity, 0.9)
+    assert set(groups.tolist()) == {"grey, worded like training", "grey, worded otherwise"}
+    assert (probe.worded_groups(scores["group"], similarity, None) == scores["group"]).all()
+    result = probe.app_answers(scores, groups, target=0.8, configured=0.7)
+    assert "grey, worded otherwise" not in result["thresholds"]  # under the minimum: the image group's
+    assert set(result["thresholds"]) == {"grey", "grey, worded like training"}
+    assert set(result["by_data"]) == {"slake", "vqa-rad"}
+    plain = probe.app_answers(scores, scores["group"], target=0.8, configured=0.7)
+    # The questions worded like training get a fit and threshold of their own; the others are judged
+    # exactly as with the image groups alone.
+    assert result["by_data"]["vqa-rad"] == plain["by_data"]["vqa-rad"]
+    assert result["thresholds"]["grey, worded like training"] != plain["thresholds"]["grey"] or \
+        result["by_data"]["slake"] != plain["by_data"]["slake"]
+    assert 0 <= result["answered"] <= 1 and result["accuracy_answered"] is not None
