@@ -137,6 +137,11 @@ class AnswerHead:
         self.questions: list[str] = []
         self.spellings: dict[str, str] = {}  # vocabulary answer -> as the training answers write it
         self.questions_digest = ""  # SHA-256 of the attached questions (a run's name says which)
+        # The training yes/no questions, embedded: how a closed answer's calibration tells questions
+        # worded like them from the rest (confidence.Calibration.wording).
+        self.yes_no_questions: list[str] = []
+        self._yes_no_vectors: torch.Tensor | None = None
+        self.yes_no_digest = ""
         self._question_vectors: torch.Tensor | None = None
 
     @classmethod
@@ -172,6 +177,13 @@ class AnswerHead:
         if len(questions) != vectors.shape[0] or not questions:
             raise AnswerHeadError(f"{path} holds {vectors.shape[0]} embeddings for {len(questions)} questions")
         self.questions, self._question_vectors = questions, vectors.float()
+        yes_no = json.loads(meta.get("yes_no_questions", "[]"))
+        yes_no_vectors = tensors.get("yes_no_embeddings")
+        if yes_no and (yes_no_vectors is None or tuple(yes_no_vectors.shape) != (len(yes_no), vectors.shape[1])):
+            raise AnswerHeadError(f"{path} holds {len(yes_no)} yes/no questions but not their embeddings")
+        self.yes_no_questions = yes_no
+        self._yes_no_vectors = yes_no_vectors.float() if yes_no else None
+        self.yes_no_digest = meta.get("yes_no_questions_sha256", "") if yes_no else ""
         self.questions_digest = meta.get("questions_sha256") or hashlib.sha256("\n".join(questions).encode()).hexdigest()
         self.spellings = json.loads(meta.get("answer_spellings", "{}"))
         return self
@@ -184,6 +196,15 @@ class AnswerHead:
         vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
         best = (vectors @ self._question_vectors.T).max(dim=1)
         return [(float(value), self.questions[int(index)]) for value, index in zip(best.values, best.indices)]
+
+    def yes_no_similarity(self, questions: list[str]) -> list[float]:
+        """Per question, its cosine similarity to the nearest training yes/no question (both in
+        question_form; attach_questions first, with a file that holds them)."""
+        if self._yes_no_vectors is None:
+            raise AnswerHeadError("the head's training yes/no questions are not loaded (attach_questions, with a "
+                                  "file scripts/build_head_questions.py wrote)")
+        vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
+        return (vectors @ self._yes_no_vectors.T).max(dim=1).values.tolist()
 
     def nearest_question(self, question: str) -> tuple[float, str]:
         """(cosine similarity, text) of the training question most like `question`."""

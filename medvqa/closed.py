@@ -57,8 +57,10 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     questions = resolve_path(decoder.head_questions) if decoder.head_questions else ""
     if "open_answerer" in uses and decoder.head_open_min_similarity > 0:
         head.attach_questions(questions)
-    elif "open_answerer" in uses and questions and Path(questions).is_file():
-        try:  # not needed without a similarity threshold, but it spells the head's answers as written
+    elif questions and Path(questions).is_file():
+        # Not needed without a similarity threshold, but it spells the head's answers as written, and a
+        # calibration may tell apart the yes/no questions worded like the training ones (confidence.WORDED).
+        try:
             head.attach_questions(questions)
         except AnswerHeadError as error:
             log.warning("the head's answers are shown lower-cased: %s", error)
@@ -100,12 +102,31 @@ class ClosedQuestions:
             return self._presupposed_scores(request, presupposed)
         return self._option_scores(request, candidates)
 
+    def wording_similarity(self, question: str) -> float | None:
+        """The question's similarity to the nearest training yes/no question when the calibration tells
+        questions worded like them apart (Calibration.wording) and the answer head holds those questions;
+        None otherwise."""
+        head = self.answer_head
+        if self.calibration.wording is None or head is None or not head.yes_no_questions:
+            return None
+        fitted_with = (self.calibration.meta.get("wording") or {}).get("yes_no_questions_sha256")
+        if fitted_with and fitted_with != head.yes_no_digest:
+            if not getattr(self, "_wording_warned", False):
+                log.warning("the closed-answer calibration told questions apart by their likeness to yes/no questions "
+                            "%s…, not to decoder.head_questions' %s…: the image groups' fits are used",
+                            fitted_with[:12], head.yes_no_digest[:12])
+                self._wording_warned = True
+            return None
+        return head.yes_no_similarity([question])[0]
+
     def _closed_verdict(self, conversation, scores: dict[str, float], route: str | None,
-                        presupposed: Presupposition | None):
+                        presupposed: Presupposition | None, question: str = ""):
         """(the `closed` record Done carries, the Verdict): the confidence from the calibration of the
-        image's group, and whether the app abstains."""
+        image's group (and of the question's wording, where the file fits that), and whether the app
+        abstains."""
         decoder = self.settings.decoder
-        calibration = (self.calibration.for_group(conversation.image_group)  # the image group's fit
+        similarity = self.wording_similarity(question) if question else None
+        calibration = (self.calibration.for_group(conversation.image_group, similarity)  # the group's fit
                        if self.calibration.groups else self.calibration)
         threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
         verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route)
@@ -114,6 +135,8 @@ class ClosedQuestions:
             closed["answerer"] = "encoder_head"
         if calibration.group:
             closed["calibration_group"] = calibration.group
+        if similarity is not None:
+            closed["wording_similarity"] = round(similarity, 4)
         if verdict.confidence is None and self.calibration.unused:
             closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
         if presupposed:

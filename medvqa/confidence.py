@@ -57,6 +57,10 @@ KINDS = (YES_NO, CHOICE, PRESUPPOSED, HEAD)
 # Image groups a calibration may be fitted for (image_group).
 COLOUR = "colour"
 GREY = "grey"
+# Within an image group, a file may fit the questions worded like the training yes/no questions apart
+# ("grey, worded like training"; `wording` in the file): SLAKE's templated questions are right more often
+# at the same margin than VQA-RAD's freely worded ones (calibrate_closed.py --wording-similarity).
+WORDED = ", worded like training"
 # Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
 # On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
 # 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
@@ -141,14 +145,28 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self._to_dict(), indent=2) + "\n")
 
-    def for_image(self, image: np.ndarray) -> "Calibration":
-        """The calibration for answers about `image`: its group's when the file fits one, else this."""
-        return self.for_group(image_group(image)) if self.groups else self
+    def for_image(self, image: np.ndarray, similarity: float | None = None) -> "Calibration":
+        """The calibration for answers about `image`: its group's when the file fits one, else this
+        (`similarity` as for for_group)."""
+        return self.for_group(image_group(image), similarity) if self.groups else self
 
-    def for_group(self, group: str) -> "Calibration":
+    def for_group(self, group: str, similarity: float | None = None) -> "Calibration":
         """The calibration for answers about an image of `group` (image_group): that group's fit when the
-        file has one, else this."""
+        file has one, else this. With the question's `similarity` to the nearest training yes/no question
+        (AnswerHead.yes_no_similarity) at or above the file's `wording` threshold, the fit of that group's
+        questions worded like training, when the file has one."""
+        if similarity is not None and self.wording is not None and similarity >= self.wording:
+            worded = self.groups.get(group + WORDED)
+            if worded is not None:
+                return worded
         return self.groups.get(group, self)
+
+    @property
+    def wording(self) -> float | None:
+        """The similarity at or above which a question counts as worded like training (None: the file
+        does not tell them apart)."""
+        value = (self.meta.get("wording") or {}).get("min_similarity")
+        return None if value is None else float(value)
 
     @property
     def group(self) -> str | None:
@@ -305,8 +323,11 @@ def confidence_text(closed: dict) -> str:
 
 def held_out_text(held_out: dict) -> str:
     """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
-    images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(held_out.get("group"),
+    group = str(held_out.get("group") or "")
+    images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(group.removesuffix(WORDED),
                                                                                       "training images")
+    if group.endswith(WORDED):
+        images += ", of questions worded like the training questions"
     return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
             f"{images} (n = {held_out['n']})")
 

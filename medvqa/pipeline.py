@@ -345,7 +345,7 @@ class Pipeline(ClosedQuestions):
                 request = self._request(conversation.image, open_prompt, conversation.digest, conversation.id)
             choice, scores = self._closed_scores(route, request, question, candidates, presupposed,
                                                  conversation.image, conversation.digest)
-            closed, verdict = self._closed_verdict(conversation, scores, route, presupposed)
+            closed, verdict = self._closed_verdict(conversation, scores, route, presupposed, question)
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
         elif head_open and head_open["answered"]:

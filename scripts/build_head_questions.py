@@ -17,6 +17,10 @@ answer_head.question_form (closing punctuation made one "?"), sorted; embeddings
 float16. The file
 names the heads it belongs to (answer_head_digest); the app refuses it beside other heads.
 
+It also holds the same images' yes/no questions, embedded (yes_no_embeddings): a calibration of the
+closed answers may fit questions worded like them apart from the rest (calibrate_closed.py
+--wording-similarity).
+
 The head's vocabulary is lower-cased with punctuation dropped ("hashimoto s thyroiditis", "left lobe mass 1
 5 x 1 8 cm"); the file also keeps, for each of its answers, the way the training answers most often write
 it ("Hashimoto's thyroiditis"), which the app shows.
@@ -58,6 +62,17 @@ def training_questions(examples: list, vocabulary: list[str]) -> list[str]:
                    if example.question.strip() and normalise(example.answer) in answers})
 
 
+def yes_no_questions(examples: list) -> list[str]:
+    """The distinct questions (in question_form, sorted) answered yes or no: a closed answer's
+    calibration may tell the questions worded like them from the rest (scripts/calibrate_closed.py
+    --wording-similarity)."""
+    from medvqa.answer_head import question_form
+    from medvqa.answers import normalise
+
+    return sorted({question_form(example.question) for example in examples
+                   if example.question.strip() and normalise(example.answer) in ("yes", "no")})
+
+
 def answer_spellings(examples: list, vocabulary: list[str]) -> dict[str, str]:
     """For each answer of the head's vocabulary (lower-cased, punctuation dropped: "hashimoto s
     thyroiditis"), the way the training answers most often write it ("Hashimoto's thyroiditis"); the
@@ -97,15 +112,21 @@ def main(argv=None) -> int:
     if not questions:
         raise SystemExit(f"no question in {args.data} has an answer in the head's vocabulary")
     spellings = answer_spellings(examples, [a for a in head.vocabulary if a not in ("yes", "no")])
-    embeddings = head.embed(questions).float()
-    embeddings = torch.nn.functional.normalize(embeddings, dim=1).to(torch.float16).contiguous()
+    yes_no = yes_no_questions(examples)
+    def embedded(texts: list[str]) -> torch.Tensor:
+        vectors = torch.nn.functional.normalize(head.embed(texts).float(), dim=1)
+        return vectors.to(torch.float16).contiguous()
+
+    embeddings, yes_no_embeddings = embedded(questions), embedded(yes_no)
     metadata = {"questions": json.dumps(questions), "questions_sha256": questions_sha256(questions),
-                "answer_head_digest": head.digest, "answer_spellings": json.dumps(spellings, sort_keys=True), "embedder": QUESTION_EMBEDDER,
+                "answer_head_digest": head.digest, "answer_spellings": json.dumps(spellings, sort_keys=True),
+                "yes_no_questions": json.dumps(yes_no), "yes_no_questions_sha256": questions_sha256(yes_no), "embedder": QUESTION_EMBEDDER,
                 "data": json.dumps(args.data), "holdout_percent": f"{args.holdout_percent:g}",
                 "command": "python scripts/build_head_questions.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    save_file({"embeddings": embeddings}, args.out, metadata=metadata)
-    print(f"{len(questions)} questions ({metadata['questions_sha256'][:12]}…), the spelling of "
+    save_file({"embeddings": embeddings, "yes_no_embeddings": yes_no_embeddings}, args.out, metadata=metadata)
+    print(f"{len(questions)} questions ({metadata['questions_sha256'][:12]}…), {len(yes_no)} yes/no questions "
+          f"({metadata['yes_no_questions_sha256'][:12]}…), the spelling of "
           f"{len(spellings)} answers -> {args.out} "
           f"({Path(args.out).stat().st_size / 2**20:.1f} MiB)")
     return 0

@@ -26,6 +26,13 @@ fields stay, for images of groups too small to fit and for comparison; `app_out_
 app does with both: the share answered and their accuracy, out of fold, each question judged by its
 group's fit and threshold.
 
+With --wording-similarity S, each image group's questions at least S similar (MiniLM cosine, in
+answer_head.question_form) to one of the training images' yes/no questions (kept in decoder.head_questions
+by scripts/build_head_questions.py) get their own fits, table and threshold ("grey, worded like training",
+when they number MIN_PER_GROUP or more); the rest keep their image group's. SLAKE's templated questions are
+right more often at the same margin than VQA-RAD's freely worded ones, which set the grey threshold
+(docs/evaluation.md). The file's `wording` names S and the yes/no questions (by SHA-256).
+
 With decoder.closed_answerer "encoder_head" (MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head) the yes/no
 questions of the kinds in decoder.head_answers (organ presence and those naming no attribute, by default)
 are answered by the encoder's answer head, fitted as their own kind ("head"); the file, written to
@@ -45,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import HEAD, KINDS, Calibration, fit_platt, image_group, reliability
+from medvqa.confidence import HEAD, KINDS, WORDED, Calibration, fit_platt, image_group, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
@@ -187,19 +194,39 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
     return fitted
 
 
-def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict) -> dict:
+def worded_groups(groups: np.ndarray, similarity: np.ndarray, like: float | None) -> np.ndarray:
+    """Each question's image group, with confidence.WORDED added where its similarity to the nearest
+    training yes/no question is at least `like` ("grey, worded like training"; None: the image groups)."""
+    if like is None:
+        return groups
+    return np.asarray([group + WORDED if value >= like else group
+                       for group, value in zip(groups.tolist(), np.asarray(similarity).tolist())])
+
+
+def fit_worded(scores: dict, worded: np.ndarray, configured: float, target: float) -> dict:
+    """fit_groups for the questions worded like training within each image group (those with
+    MIN_PER_GROUP questions or more); the rest of an image group keeps the image group's fit."""
+    fitted = fit_groups({**scores, "group": worded}, configured, target)
+    return {name: fit for name, fit in fitted.items() if name.endswith(WORDED)}
+
+
+def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict,
+                    worded: np.ndarray | None = None, worded_fitted: dict | None = None) -> dict:
     """What the app does out of fold: each question judged by its group's confidence and threshold
-    (the pooled ones for a group without a fit)."""
-    confidence, bar = held.copy(), np.full(len(held), threshold)
-    for name, (calibration, group_held) in fitted.items():
-        mine = scores["group"] == name
-        confidence[mine] = group_held
-        chosen = calibration.meta["threshold"]
-        bar[mine] = chosen["min_confidence"] if chosen["met"] else threshold
+    (the pooled ones for a group without a fit), and a question worded like training by its worded
+    group's where the file fits one (`worded`: worded_groups' labels, `worded_fitted`: fit_worded's)."""
+    confidence, bar, thresholds = held.copy(), np.full(len(held), threshold), {}
+    for labels, fits in ((scores["group"], fitted), (worded, worded_fitted or {})):
+        for name, (calibration, group_held) in fits.items():
+            mine = labels == name
+            confidence[mine] = group_held
+            chosen = calibration.meta["threshold"]
+            bar[mine] = chosen["min_confidence"] if chosen["met"] else bar[mine]
+            thresholds[name] = float(bar[mine][0])
     kept, correct = confidence >= bar, scores["correct"]
     result = {"answered": round(float(kept.mean()), 4),
               "accuracy_answered": round(float(correct[kept].mean()), 4) if kept.any() else None,
-              "thresholds": {name: float(bar[scores["group"] == name][0]) for name in fitted}}
+              "thresholds": thresholds}
     if "data" in scores:  # per --data spec, with the pooled fit and threshold alone for comparison
         pooled = held >= threshold
         result["by_data"] = {}
@@ -251,6 +278,19 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float)
             "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
 
+def questions_head(settings):
+    """The answer head with its training questions (decoder.head_questions), for their yes/no questions."""
+    from medvqa.answer_head import AnswerHead
+    from medvqa.config import resolve_path
+
+    head = AnswerHead.load(resolve_path(settings.decoder.answer_head))
+    head.attach_questions(resolve_path(settings.decoder.head_questions) if settings.decoder.head_questions else "")
+    if not head.yes_no_questions:
+        raise SystemExit(f"{settings.decoder.head_questions} holds no yes/no questions: rebuild it with "
+                         "scripts/build_head_questions.py")
+    return head
+
+
 def answer_head_digest(settings) -> str:
     from medvqa.answer_head import AnswerHead
     from medvqa.config import resolve_path
@@ -280,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="refit from the saved scores")
     parser.add_argument("--target-accuracy", type=float, default=0.8,
                         help="the out-of-fold accuracy of answered questions the abstention threshold is chosen for")
+    parser.add_argument("--wording-similarity", type=float, default=None,
+                        help="also fit, within each image group, the questions at least this similar to a training "
+                             "yes/no question apart (the yes/no questions of decoder.head_questions)")
     args = parser.parse_args(argv)
     if not args.val_by_image and not args.holdout_percent:
         print("warning: without --val-by-image the held-out questions share images with training; "
@@ -312,6 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         scores["data"] = np.asarray([spec for spec, _ in questions])
     fitted = fit_groups(scores, configured, args.target_accuracy)
     calibration.groups = {name: group for name, (group, _) in fitted.items()}
+    worded, worded_fitted, wording = None, {}, None
+    if args.wording_similarity is not None:
+        if len(questions) != len(correct):
+            raise SystemExit(f"{args.scores} was not scored on the held-out questions of --data: score again")
+        head = questions_head(settings)
+        similarity = np.asarray(head.yes_no_similarity([example.question for _, example in questions]))
+        worded = worded_groups(scores["group"], similarity, args.wording_similarity)
+        worded_fitted = fit_worded(scores, worded, configured, args.target_accuracy)
+        calibration.groups.update({name: group for name, (group, _) in worded_fitted.items()})
+        wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": head.yes_no_digest,
+                   "questions": {name: int((worded == name).sum()) for name in sorted(set(worded.tolist()))}}
     projector = Path(settings.projector.weights)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
@@ -328,12 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         "threshold": choose_threshold(held, correct, args.target_accuracy),
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
         "groups_by_data": groups_by_data(scores),
+        **({"wording": wording} if wording else {}),
         "command": ("MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head " if head else "") + "python "
                    + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     chosen = calibration.meta["threshold"]
     calibration.meta["app_out_of_fold"] = app_out_of_fold(
-        scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted)
+        scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted, worded, worded_fitted)
     out.parent.mkdir(parents=True, exist_ok=True)
     calibration.save(out)
     print(f"{len(correct)} held-out closed questions on {calibration.meta['fitted_on']['images']} images; "

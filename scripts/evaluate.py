@@ -219,9 +219,10 @@ def main() -> None:
     decoder = settings.decoder
     for example, r in zip(examples, rows):
         if r["answer_type"] == "CLOSED":
-            # As the app judges it: the fit and threshold of the image's group when the file has groups.
-            calibration = (pipeline.calibration.for_image(image(example.image)) if pipeline.calibration.groups
-                           else pipeline.calibration)
+            # As the app judges it: the fit and threshold of the image's group when the file has groups
+            # (and of the question's wording, where the file fits that).
+            calibration = (pipeline.calibration.for_image(image(example.image), pipeline.wording_similarity(example.question))
+                           if pipeline.calibration.groups else pipeline.calibration)
             r["confidence"] = None if r.get("margin") is None else calibration.confidence(r["margin"], r["closed_kind"])
             r["threshold"] = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
             r["calibration_group"] = calibration.group or "all"

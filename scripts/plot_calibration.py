@@ -7,7 +7,8 @@ its image): the reliability diagram (per bin, mean confidence against the share 
 count; on the diagonal a confidence means what it says) and the risk-coverage curve (answering only
 the most confident questions: the share answered against their accuracy), with the abstention
 threshold the app uses marked. A file older than the curve draws the first panel only.
-`--group grey|colour` draws the fit of one image group instead (the one the app uses for such images):
+`--group grey|colour` draws the fit of one image group instead (the one the app uses for such images;
+"grey, worded like training" and the like for a file fitted with --wording-similarity):
 
     python scripts/plot_calibration.py --group grey -o docs/calibration-grey.svg
 """
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.calibration} has no fit for image group {args.group!r} "
                              f"(it has: {', '.join(sorted(groups)) or 'none'})")
         calibration = fitted = groups[args.group]
-    images = f"{args.group} training images" if args.group else "training images"
+    group = args.group or ""
+    images = (f"{group.split(',')[0]} training images" if group else "training images") + (
+        ", questions worded like the training ones" if "worded like training" in group else "")
     title = (f"{Path(args.calibration).name}: {fitted.get('questions', '?')} held-out closed questions "
              f"on {fitted.get('images', '?')} {images}")
     args.output.write_text(svg(calibration, title))

@@ -522,3 +522,26 @@ def test_passages_never_go_into_a_prompt_for_an_answer_the_head_gives(open_head_
         # The decoder reads them when it answers.
         assert _ask(decoder_answers, question, image).in_prompt
         assert _ask(head_pipeline, question, image).in_prompt
+
+
+def test_a_calibration_fitted_by_wording_is_used_for_questions_worded_like_training(head_pipeline):
+    from medvqa.confidence import WORDED, Calibration
+
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.head_questions = str(QUESTIONS)  # optional at similarity 0: attached for its yes/no questions
+    pipeline = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    head = pipeline.answer_head
+    assert head.yes_no_questions and len(head.yes_no_questions) == head._yes_no_vectors.shape[0]
+    grey, worded = Calibration({HEAD: (1.0, 0.0)}, {"group": "grey"}), Calibration({HEAD: (3.0, 0.0)})
+    worded.meta = {"group": "grey" + WORDED}
+    pipeline.calibration = Calibration({HEAD: (0.5, 0.0)}, {"wording": {"min_similarity": 0.9,
+                                                                         "yes_no_questions_sha256": head.yes_no_digest}},
+                                       groups={"grey": grey, "grey" + WORDED: worded})
+    templated = _ask(pipeline, "Does the picture contain liver?")
+    assert templated.closed["wording_similarity"] >= 0.9
+    assert templated.closed["calibration_group"] == "grey" + WORDED
+    free = _ask(pipeline, "Should we worry about what the radiologist called a nodule on this film?")
+    assert free.closed["wording_similarity"] < 0.9 and free.closed["calibration_group"] == "grey"
+    # Fitted with other yes/no questions: the image group's fit, whatever the wording.
+    pipeline.calibration.meta["wording"]["yes_no_questions_sha256"] = "0" * 64
+    assert _ask(pipeline, "Does the picture contain liver?").closed["calibration_group"] == "grey"

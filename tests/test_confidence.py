@@ -460,28 +460,42 @@ def test_evaluate_grounding_reports_the_threshold_of_each_image_group(tiny_setti
     assert thresholds(pooled, decoder) == {"colour": decoder.min_confidence, "grey": 0.72, "other images": 0.66}
 
 
-def test_the_wording_probe_splits_image_groups_and_falls_back_to_them():
+def test_calibration_groups_split_by_wording_fall_back_to_the_image_group():
+    script = load_script("calibrate_closed")
     probe = load_script("probe_calibration_wording")
     rng = np.random.default_rng(5)
     # 500 grey questions worded like training (right more often as the margin grows), 150 worded
-    # otherwise (a coin flip at any margin: too few to fit, so their image group's fit and threshold).
+    # otherwise (a coin flip at any margin): too few to fit apart, they keep the image group's fit.
     margin = np.concatenate([rng.uniform(0, 4, 500), rng.uniform(0, 4, 150)])
     correct = np.concatenate([rng.uniform(0, 1, 500) < 0.45 + 0.12 * margin[:500], rng.uniform(0, 1, 150) < 0.5])
     similarity = np.concatenate([np.full(500, 0.99), np.full(150, 0.5)])
     scores = {"margin": margin, "correct": correct, "kind": np.full(650, "head"),
               "image": np.asarray([f"img{i % 130}" for i in range(650)]), "group": np.full(650, "grey"),
               "data": np.asarray(["slake"] * 500 + ["vqa-rad"] * 150)}
-    groups = probe.worded_groups(scores["group"], similarity, 0.9)
-    assert set(groups.tolist()) == {"grey, worded like training", "grey, worded otherwise"}
-    assert (probe.worded_groups(scores["group"], similarity, None) == scores["group"]).all()
-    result = probe.app_answers(scores, groups, target=0.8, configured=0.7)
-    assert "grey, worded otherwise" not in result["thresholds"]  # under the minimum: the image group's
-    assert set(result["thresholds"]) == {"grey", "grey, worded like training"}
-    assert set(result["by_data"]) == {"slake", "vqa-rad"}
-    plain = probe.app_answers(scores, scores["group"], target=0.8, configured=0.7)
-    # The questions worded like training get a fit and threshold of their own; the others are judged
-    # exactly as with the image groups alone.
-    assert result["by_data"]["vqa-rad"] == plain["by_data"]["vqa-rad"]
-    assert result["thresholds"]["grey, worded like training"] != plain["thresholds"]["grey"] or \
-        result["by_data"]["slake"] != plain["by_data"]["slake"]
-    assert 0 <= result["answered"] <= 1 and result["accuracy_answered"] is not None
+    worded = script.worded_groups(scores["group"], similarity, 0.9)
+    assert set(worded.tolist()) == {"grey, worded like training", "grey"}
+    assert (script.worded_groups(scores["group"], similarity, None) == scores["group"]).all()
+    assert list(script.fit_worded(scores, worded, 0.7, 0.8)) == ["grey, worded like training"]
+    split = probe.app_answers(scores, similarity, 0.9, target=0.8, configured=0.7)
+    plain = probe.app_answers(scores, similarity, None, target=0.8, configured=0.7)
+    assert set(split["thresholds"]) == {"grey", "grey, worded like training"} and set(plain["thresholds"]) == {"grey"}
+    # The questions worded otherwise are judged exactly as with the image groups alone.
+    assert split["by_data"]["vqa-rad"] == plain["by_data"]["vqa-rad"]
+    assert probe.choose([dict(plain, like=None), dict(split, like=0.9)], 0.8) == (
+        0.9 if split["answered"] > plain["answered"] and split["accuracy_answered"] >= 0.8 else None)
+    # A value whose answers fall short of the target is not chosen, however many it answers.
+    assert probe.choose([dict(plain, like=None), {"like": 0.8, "answered": 1.0, "accuracy_answered": 0.5}], 0.8) is None
+
+
+def test_a_calibration_fitted_by_wording_judges_worded_questions_by_their_fit():
+    from medvqa.confidence import WORDED, held_out_text
+
+    grey, worded = Calibration({YES_NO: (1.0, 0.0)}), Calibration({YES_NO: (2.0, 0.0)})
+    calibration = Calibration({YES_NO: (0.5, 0.0)}, {"wording": {"min_similarity": 0.9}},
+                              groups={"grey": grey, "grey" + WORDED: worded})
+    assert calibration.wording == 0.9
+    assert calibration.for_group("grey", 0.95) is worded and calibration.for_group("grey", 0.5) is grey
+    assert calibration.for_group("grey") is grey and calibration.for_group("colour", 0.95) is calibration
+    assert Calibration({YES_NO: (1.0, 0.0)}, groups={"grey": grey}).for_group("grey", 0.99) is grey
+    text = held_out_text({"group": "grey" + WORDED, "accuracy": 0.83, "n": 40})
+    assert text.endswith("held-out grey training images, of questions worded like the training questions (n = 40)")
