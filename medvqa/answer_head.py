@@ -142,6 +142,7 @@ class AnswerHead:
         self.yes_no_questions: list[str] = []
         self._yes_no_vectors: torch.Tensor | None = None
         self.yes_no_digest = ""
+        self.questions_meta: dict[str, str] = {}  # how the questions file was built (data, hold-out, command)
         self._question_vectors: torch.Tensor | None = None
 
     @classmethod
@@ -184,6 +185,7 @@ class AnswerHead:
         self.yes_no_questions = yes_no
         self._yes_no_vectors = yes_no_vectors.float() if yes_no else None
         self.yes_no_digest = meta.get("yes_no_questions_sha256", "") if yes_no else ""
+        self.questions_meta = {key: meta[key] for key in ("data", "holdout_percent", "command") if key in meta}
         self.questions_digest = meta.get("questions_sha256") or hashlib.sha256("\n".join(questions).encode()).hexdigest()
         self.spellings = json.loads(meta.get("answer_spellings", "{}"))
         return self

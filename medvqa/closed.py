@@ -63,7 +63,8 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
         try:
             head.attach_questions(questions)
         except AnswerHeadError as error:
-            log.warning("the head's answers are shown lower-cased: %s", error)
+            log.warning("the head's training questions are not loaded (its answers are shown lower-cased, and a "
+                        "calibration split by wording uses its image groups' fits): %s", error)
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
     log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(
@@ -107,14 +108,15 @@ class ClosedQuestions:
         questions worded like them apart (Calibration.wording) and the answer head holds those questions;
         None otherwise."""
         head = self.answer_head
-        if self.calibration.wording is None or head is None or not head.yes_no_questions:
+        if self.calibration.wording is None:
             return None
-        fitted_with = (self.calibration.meta.get("wording") or {}).get("yes_no_questions_sha256")
-        if fitted_with and fitted_with != head.yes_no_digest:
+        fitted_with = (self.calibration.meta.get("wording") or {}).get("yes_no_questions_sha256") or ""
+        have = head.yes_no_digest if head is not None and head.yes_no_questions else ""
+        if not have or (fitted_with and fitted_with != have):
             if not getattr(self, "_wording_warned", False):
-                log.warning("the closed-answer calibration told questions apart by their likeness to yes/no questions "
-                            "%s…, not to decoder.head_questions' %s…: the image groups' fits are used",
-                            fitted_with[:12], head.yes_no_digest[:12])
+                log.warning("the closed-answer calibration is split by likeness to the yes/no questions %s…, which "
+                            "decoder.head_questions %s: the image groups' fits are used", fitted_with[:12] or "?",
+                            f"does not hold (it holds {have[:12]}…)" if have else "does not provide")
                 self._wording_warned = True
             return None
         return head.yes_no_similarity([question])[0]

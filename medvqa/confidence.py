@@ -57,10 +57,12 @@ KINDS = (YES_NO, CHOICE, PRESUPPOSED, HEAD)
 # Image groups a calibration may be fitted for (image_group).
 COLOUR = "colour"
 GREY = "grey"
-# Within an image group, a file may fit the questions worded like the training yes/no questions apart
-# ("grey, worded like training"; `wording` in the file): SLAKE's templated questions are right more often
-# at the same margin than VQA-RAD's freely worded ones (calibrate_closed.py --wording-similarity).
+# Within an image group, a file may fit the questions worded like the training yes/no questions and the
+# rest apart ("grey, worded like training", "grey, worded otherwise"; `wording` in the file): SLAKE's
+# templated questions are right more often at the same margin than VQA-RAD's freely worded ones
+# (calibrate_closed.py --wording-similarity).
 WORDED = ", worded like training"
+WORDED_OTHERWISE = ", worded otherwise"
 # Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
 # On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
 # 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
@@ -153,12 +155,13 @@ class Calibration:
     def for_group(self, group: str, similarity: float | None = None) -> "Calibration":
         """The calibration for answers about an image of `group` (image_group): that group's fit when the
         file has one, else this. With the question's `similarity` to the nearest training yes/no question
-        (AnswerHead.yes_no_similarity) at or above the file's `wording` threshold, the fit of that group's
-        questions worded like training, when the file has one."""
-        if similarity is not None and self.wording is not None and similarity >= self.wording:
-            worded = self.groups.get(group + WORDED)
-            if worded is not None:
-                return worded
+        (AnswerHead.yes_no_similarity) and a file fitted by wording (`wording`), the fit of that group's
+        questions worded like training (similarity at or above the file's threshold) or of the rest,
+        when the file has one."""
+        if similarity is not None and self.wording is not None:
+            part = self.groups.get(group + (WORDED if similarity >= self.wording else WORDED_OTHERWISE))
+            if part is not None:
+                return part
         return self.groups.get(group, self)
 
     @property
@@ -324,10 +327,12 @@ def confidence_text(closed: dict) -> str:
 def held_out_text(held_out: dict) -> str:
     """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
     group = str(held_out.get("group") or "")
-    images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(group.removesuffix(WORDED),
-                                                                                      "training images")
+    base = group.removesuffix(WORDED).removesuffix(WORDED_OTHERWISE)
+    images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(base, "training images")
     if group.endswith(WORDED):
         images += ", of questions worded like the training questions"
+    elif group.endswith(WORDED_OTHERWISE):
+        images += ", of questions worded unlike the training questions"
     return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
             f"{images} (n = {held_out['n']})")
 

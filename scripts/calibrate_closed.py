@@ -26,10 +26,12 @@ fields stay, for images of groups too small to fit and for comparison; `app_out_
 app does with both: the share answered and their accuracy, out of fold, each question judged by its
 group's fit and threshold.
 
-With --wording-similarity S, each image group's questions at least S similar (MiniLM cosine, in
-answer_head.question_form) to one of the training images' yes/no questions (kept in decoder.head_questions
-by scripts/build_head_questions.py) get their own fits, table and threshold ("grey, worded like training",
-when they number MIN_PER_GROUP or more); the rest keep their image group's. SLAKE's templated questions are
+With --wording-similarity S, each image group is split by the question's wording: the questions at least
+S similar (MiniLM cosine, in answer_head.question_form) to one of the training images' yes/no questions
+(kept in decoder.head_questions by scripts/build_head_questions.py) and the rest ("grey, worded like
+training", "grey, worded otherwise") each get their own fits, table and threshold when they number
+MIN_PER_GROUP or more (else the image group's); a part whose threshold reaches no target gets
+decoder.min_confidence, as the app does. SLAKE's templated questions are
 right more often at the same margin than VQA-RAD's freely worded ones, which set the grey threshold
 (docs/evaluation.md). The file's `wording` names S and the yes/no questions (by SHA-256).
 
@@ -52,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import HEAD, KINDS, WORDED, Calibration, fit_platt, image_group, reliability
+from medvqa.confidence import HEAD, KINDS, WORDED, WORDED_OTHERWISE, Calibration, fit_platt, image_group, reliability
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
@@ -195,33 +197,35 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
 
 
 def worded_groups(groups: np.ndarray, similarity: np.ndarray, like: float | None) -> np.ndarray:
-    """Each question's image group, with confidence.WORDED added where its similarity to the nearest
-    training yes/no question is at least `like` ("grey, worded like training"; None: the image groups)."""
+    """Each question's image group split by its wording: confidence.WORDED added where its similarity to
+    the nearest training yes/no question is at least `like` ("grey, worded like training"),
+    WORDED_OTHERWISE elsewhere (None: the image groups)."""
     if like is None:
         return groups
-    return np.asarray([group + WORDED if value >= like else group
+    return np.asarray([group + (WORDED if value >= like else WORDED_OTHERWISE)
                        for group, value in zip(groups.tolist(), np.asarray(similarity).tolist())])
 
 
 def fit_worded(scores: dict, worded: np.ndarray, configured: float, target: float) -> dict:
-    """fit_groups for the questions worded like training within each image group (those with
-    MIN_PER_GROUP questions or more); the rest of an image group keeps the image group's fit."""
-    fitted = fit_groups({**scores, "group": worded}, configured, target)
-    return {name: fit for name, fit in fitted.items() if name.endswith(WORDED)}
+    """fit_groups for both parts of each image group (worded like training, and otherwise), each with
+    MIN_PER_GROUP questions or more; a part with fewer keeps its image group's fit."""
+    return fit_groups({**scores, "group": worded}, configured, target)
 
 
 def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict,
-                    worded: np.ndarray | None = None, worded_fitted: dict | None = None) -> dict:
+                    worded: np.ndarray | None = None, worded_fitted: dict | None = None,
+                    configured: float | None = None) -> dict:
     """What the app does out of fold: each question judged by its group's confidence and threshold
-    (the pooled ones for a group without a fit), and a question worded like training by its worded
-    group's where the file fits one (`worded`: worded_groups' labels, `worded_fitted`: fit_worded's)."""
+    (the pooled ones for a group without a fit), and, where the file is fitted by wording, by its part's
+    (`worded`: worded_groups' labels, `worded_fitted`: fit_worded's). A group or part whose threshold
+    reached no target gets `configured` (decoder.min_confidence), as in the app."""
     confidence, bar, thresholds = held.copy(), np.full(len(held), threshold), {}
     for labels, fits in ((scores["group"], fitted), (worded, worded_fitted or {})):
         for name, (calibration, group_held) in fits.items():
             mine = labels == name
             confidence[mine] = group_held
             chosen = calibration.meta["threshold"]
-            bar[mine] = chosen["min_confidence"] if chosen["met"] else bar[mine]
+            bar[mine] = chosen["min_confidence"] if chosen["met"] else (threshold if configured is None else configured)
             thresholds[name] = float(bar[mine][0])
     kept, correct = confidence >= bar, scores["correct"]
     result = {"answered": round(float(kept.mean()), 4),
@@ -359,12 +363,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.wording_similarity is not None:
         if len(questions) != len(correct):
             raise SystemExit(f"{args.scores} was not scored on the held-out questions of --data: score again")
-        head = questions_head(settings)
-        similarity = np.asarray(head.yes_no_similarity([example.question for _, example in questions]))
+        with_questions = questions_head(settings)
+        built_with = with_questions.questions_meta.get("holdout_percent")
+        if built_with is not None and float(built_with) != float(args.holdout_percent or 0):
+            raise SystemExit(f"{settings.decoder.head_questions} was built with --holdout-percent {built_with}, these "
+                             f"scores with {args.holdout_percent}: its yes/no questions may hold the held-out ones")
+        if any(str(example.image) != image for (_, example), image in zip(questions, scores["image"].tolist())):
+            raise SystemExit(f"{args.scores} was not scored on the held-out questions of --data: score again")
+        similarity = np.asarray(with_questions.yes_no_similarity([example.question for _, example in questions]))
         worded = worded_groups(scores["group"], similarity, args.wording_similarity)
         worded_fitted = fit_worded(scores, worded, configured, args.target_accuracy)
         calibration.groups.update({name: group for name, (group, _) in worded_fitted.items()})
-        wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": head.yes_no_digest,
+        wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": with_questions.yes_no_digest,
                    "questions": {name: int((worded == name).sum()) for name in sorted(set(worded.tolist()))}}
     projector = Path(settings.projector.weights)
     calibration.meta = {
@@ -388,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     chosen = calibration.meta["threshold"]
     calibration.meta["app_out_of_fold"] = app_out_of_fold(
-        scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted, worded, worded_fitted)
+        scores, held, chosen["min_confidence"] if chosen["met"] else configured, fitted, worded, worded_fitted,
+        configured)
     out.parent.mkdir(parents=True, exist_ok=True)
     calibration.save(out)
     print(f"{len(correct)} held-out closed questions on {calibration.meta['fitted_on']['images']} images; "

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration = fitted = groups[args.group]
     group = args.group or ""
     images = (f"{group.split(',')[0]} training images" if group else "training images") + (
-        ", questions worded like the training ones" if "worded like training" in group else "")
+        ", questions worded like the training ones" if "worded like training" in group else
+        ", questions worded otherwise" if "worded otherwise" in group else "")
     title = (f"{Path(args.calibration).name}: {fitted.get('questions', '?')} held-out closed questions "
              f"on {fitted.get('images', '?')} {images}")
     args.output.write_text(svg(calibration, title))

@@ -1,7 +1,7 @@
-"""Would the closed answers' calibration answer more, at the same accuracy, if it told apart questions
-worded like the training yes/no questions from the rest? The grid calibrate_closed.py
---wording-similarity is chosen from: the value with the largest share answered out of fold, those
-answers right at least --target-accuracy of the time.
+"""The closed answers' calibration split by the question's wording (questions worded like the training
+yes/no questions, and the rest), at each similarity of a grid, against the image groups alone: the grid
+calibrate_closed.py --wording-similarity is chosen from (of the split values, the one with the largest
+share answered out of fold, those answers right at least --target-accuracy of the time).
 
     MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head python scripts/calibrate_closed.py --data vqa-rad:train \\
         slake:train pathvqa:DIR:train --holdout-percent 15 --scores runs/calibrate-head.npz
@@ -47,7 +47,7 @@ def app_answers(scores: dict, similarity: np.ndarray, like: float | None, target
     worded = calibrate_closed.worded_groups(scores["group"], similarity, like)
     worded_fitted = calibrate_closed.fit_worded(scores, worded, configured, target) if like is not None else {}
     return calibrate_closed.app_out_of_fold(scores, held, pooled["min_confidence"] if pooled["met"] else configured,
-                                            fitted, worded, worded_fitted)
+                                            fitted, worded, worded_fitted, configured)
 
 
 def main(argv=None) -> int:
@@ -99,20 +99,23 @@ def main(argv=None) -> int:
         print(f"| {label} | " + " | ".join(cells)
               + f" | {100 * result['answered']:.1f} ({100 * (result['accuracy_answered'] or 0):.1f}) | {bars} |")
     best = choose(results, args.target_accuracy)
-    print(f"most answered out of fold: --wording-similarity {best:g}" if best is not None
-          else "most answered out of fold: the image groups alone")
+    print(f"most answered out of fold when split: --wording-similarity {best:g}" if best is not None
+          else f"no split keeps its answers {100 * args.target_accuracy:.0f} % right out of fold")
     if args.json:
         Path(args.json).write_text(json.dumps({"chosen": best, "results": results}, indent=2) + "\n")
     return 0
 
 
 def choose(results: list[dict], target: float) -> float | None:
-    """The --like value whose app answers the most questions out of fold with those answers right at
-    least `target` of the time (None: the image groups alone, also when none is); on a tie the lower
-    value, which fits more questions apart."""
-    met = [r for r in results if r["like"] is None or (r["accuracy_answered"] or 0) >= target - 1e-9]
+    """The --like value (not None) whose app answers the most questions out of fold with those answers
+    right at least `target` of the time; on a tie the lower value. None when no value reaches it. Whether
+    to split at all is not this choice: splitting makes each part's answers as right as the page says
+    (docs/experiments.md), which the image groups alone do not, and may answer fewer."""
+    met = [r for r in results if r["like"] is not None and (r["accuracy_answered"] or 0) >= target - 1e-9]
+    if not met:
+        return None
     top = max(result["answered"] for result in met)
-    return min((r["like"] for r in met if r["answered"] >= top - 1e-12), key=lambda like: -1 if like is None else like)
+    return min(r["like"] for r in met if r["answered"] >= top - 1e-12)
 
 
 if __name__ == "__main__":

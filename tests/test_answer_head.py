@@ -542,6 +542,10 @@ def test_a_calibration_fitted_by_wording_is_used_for_questions_worded_like_train
     assert templated.closed["calibration_group"] == "grey" + WORDED
     free = _ask(pipeline, "Should we worry about what the radiologist called a nodule on this film?")
     assert free.closed["wording_similarity"] < 0.9 and free.closed["calibration_group"] == "grey"
+    otherwise = Calibration({HEAD: (0.2, 0.0)}, {"group": "grey, worded otherwise"})
+    pipeline.calibration.groups["grey, worded otherwise"] = otherwise
+    again = _ask(pipeline, "Should we worry about what the radiologist called a nodule on this film?")
+    assert again.closed["calibration_group"] == "grey, worded otherwise"
     # Fitted with other yes/no questions: the image group's fit, whatever the wording.
     pipeline.calibration.meta["wording"]["yes_no_questions_sha256"] = "0" * 64
     assert _ask(pipeline, "Does the picture contain liver?").closed["calibration_group"] == "grey"

@@ -473,29 +473,76 @@ def test_calibration_groups_split_by_wording_fall_back_to_the_image_group():
               "image": np.asarray([f"img{i % 130}" for i in range(650)]), "group": np.full(650, "grey"),
               "data": np.asarray(["slake"] * 500 + ["vqa-rad"] * 150)}
     worded = script.worded_groups(scores["group"], similarity, 0.9)
-    assert set(worded.tolist()) == {"grey, worded like training", "grey"}
+    assert set(worded.tolist()) == {"grey, worded like training", "grey, worded otherwise"}
     assert (script.worded_groups(scores["group"], similarity, None) == scores["group"]).all()
-    assert list(script.fit_worded(scores, worded, 0.7, 0.8)) == ["grey, worded like training"]
+    assert list(script.fit_worded(scores, worded, 0.7, 0.8)) == ["grey, worded like training"]  # 150 < 200
     split = probe.app_answers(scores, similarity, 0.9, target=0.8, configured=0.7)
     plain = probe.app_answers(scores, similarity, None, target=0.8, configured=0.7)
     assert set(split["thresholds"]) == {"grey", "grey, worded like training"} and set(plain["thresholds"]) == {"grey"}
     # The questions worded otherwise are judged exactly as with the image groups alone.
     assert split["by_data"]["vqa-rad"] == plain["by_data"]["vqa-rad"]
-    assert probe.choose([dict(plain, like=None), dict(split, like=0.9)], 0.8) == (
-        0.9 if split["answered"] > plain["answered"] and split["accuracy_answered"] >= 0.8 else None)
-    # A value whose answers fall short of the target is not chosen, however many it answers.
-    assert probe.choose([dict(plain, like=None), {"like": 0.8, "answered": 1.0, "accuracy_answered": 0.5}], 0.8) is None
+    # The split value answering the most at the target is chosen; one short of the target never is.
+    many_wrong = {"like": 0.8, "answered": 1.0, "accuracy_answered": 0.5}
+    few_right = {"like": 0.95, "answered": 0.3, "accuracy_answered": 0.9}
+    assert probe.choose([dict(plain, like=None), many_wrong, few_right], 0.8) == 0.95
+    assert probe.choose([dict(plain, like=None), many_wrong], 0.8) is None
+
+
+def test_a_part_whose_threshold_reaches_no_target_gets_the_configured_one_as_in_the_app():
+    script = load_script("calibrate_closed")
+    rng = np.random.default_rng(6)
+    # 300 questions worded otherwise, right half of the time at any margin: their part is fitted (300 >= 200)
+    # but no threshold reaches 80 %; out of fold they are judged at decoder.min_confidence, as the app does.
+    margin = np.concatenate([rng.uniform(0, 4, 400), rng.uniform(0, 4, 300)])
+    correct = np.concatenate([rng.uniform(0, 1, 400) < 0.45 + 0.12 * margin[:400], rng.uniform(0, 1, 300) < 0.5])
+    scores = {"margin": margin, "correct": correct, "kind": np.full(700, "head"),
+              "image": np.asarray([f"img{i % 140}" for i in range(700)]), "group": np.full(700, "grey"),
+              "data": np.asarray(["slake"] * 400 + ["vqa-rad"] * 300)}
+    worded = script.worded_groups(scores["group"], np.concatenate([np.full(400, 0.99), np.full(300, 0.5)]), 0.9)
+    parts = script.fit_worded(scores, worded, 0.7, 0.8)
+    assert not parts["grey, worded otherwise"][0].meta["threshold"]["met"]
+    held = script.out_of_fold(scores)
+    result = script.app_out_of_fold(scores, held, 0.6, script.fit_groups(scores, 0.7, 0.8), worded, parts, 0.77)
+    assert result["thresholds"]["grey, worded otherwise"] == 0.77
 
 
 def test_a_calibration_fitted_by_wording_judges_worded_questions_by_their_fit():
-    from medvqa.confidence import WORDED, held_out_text
+    from medvqa.confidence import WORDED, WORDED_OTHERWISE, held_out_text
 
     grey, worded = Calibration({YES_NO: (1.0, 0.0)}), Calibration({YES_NO: (2.0, 0.0)})
     calibration = Calibration({YES_NO: (0.5, 0.0)}, {"wording": {"min_similarity": 0.9}},
                               groups={"grey": grey, "grey" + WORDED: worded})
     assert calibration.wording == 0.9
     assert calibration.for_group("grey", 0.95) is worded and calibration.for_group("grey", 0.5) is grey
+    otherwise = Calibration({YES_NO: (0.2, 0.0)})
+    calibration.groups["grey" + WORDED_OTHERWISE] = otherwise
+    assert calibration.for_group("grey", 0.5) is otherwise and calibration.for_group("grey") is grey
     assert calibration.for_group("grey") is grey and calibration.for_group("colour", 0.95) is calibration
     assert Calibration({YES_NO: (1.0, 0.0)}, groups={"grey": grey}).for_group("grey", 0.99) is grey
     text = held_out_text({"group": "grey" + WORDED, "accuracy": 0.83, "n": 40})
     assert text.endswith("held-out grey training images, of questions worded like the training questions (n = 40)")
+    assert "worded unlike the training questions (n = 9)" in held_out_text(
+        {"group": "grey" + WORDED_OTHERWISE, "accuracy": 0.5, "n": 9})
+
+
+def test_a_calibration_fitted_by_wording_is_written_for_the_answerer_it_was_fitted_with(tmp_path):
+    from types import SimpleNamespace
+
+    script = load_script("calibrate_closed")
+    data = ["vqa-rad:train"]
+    questions = script.held_out_closed(SimpleNamespace(data=data, val=400, val_by_image=False, seed=0,
+                                                       holdout_percent=15.0))
+    rng = np.random.default_rng(7)
+    n = len(questions)
+    margin = rng.uniform(0, 4, n)
+    scores = tmp_path / "scores.npz"
+    np.savez(scores, margin=margin, kind=np.full(n, YES_NO), correct=rng.uniform(0, 1, n) < 0.45 + 0.12 * margin,
+             image=np.asarray([str(example.image) for _, example in questions]), group=np.full(n, "grey"))
+    out = tmp_path / "calibration.json"
+    assert script.main(["--data", *data, "--holdout-percent", "15", "--scores", str(scores), "--reuse",
+                        "--out", str(out), "--wording-similarity", "0.9"]) == 0
+    written = json.loads(out.read_text())
+    # The decoder's fit stays the decoder's: loading the questions' head does not make it the head's.
+    assert "closed_answerer" not in written and not written["command"].startswith("MEDVQA_")
+    assert written["wording"]["min_similarity"] == 0.9 and written["wording"]["yes_no_questions_sha256"]
+    assert sum(written["wording"]["questions"].values()) == n
