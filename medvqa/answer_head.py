@@ -186,27 +186,28 @@ class AnswerHead:
         self._yes_no_vectors = yes_no_vectors.float() if yes_no else None
         self.yes_no_digest = meta.get("yes_no_questions_sha256", "") if yes_no else ""
         self.questions_meta = {key: meta[key] for key in ("data", "holdout_percent", "command") if key in meta}
-        self.questions_digest = meta.get("questions_sha256") or hashlib.sha256("\n".join(questions).encode()).hexdigest()
+        self.questions_digest = meta.get("questions_sha256", "")
         self.spellings = json.loads(meta.get("answer_spellings", "{}"))
         return self
+
+    def _nearest(self, questions: list[str], against: torch.Tensor | None, what: str):
+        """(max cosine similarities, their indices) of each question (in question_form) against `against`."""
+        if against is None:
+            raise AnswerHeadError(f"the head's training {what} are not loaded (attach_questions, with a file "
+                                  "scripts/build_head_questions.py wrote)")
+        vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
+        return (vectors @ against.T).max(dim=1)
 
     def nearest_questions(self, questions: list[str]) -> list[tuple[float, str]]:
         """Per question, (cosine similarity, text) of the training question most like it, both in their
         question_form (attach_questions first)."""
-        if self._question_vectors is None:
-            raise AnswerHeadError("the head's training questions are not loaded (attach_questions)")
-        vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
-        best = (vectors @ self._question_vectors.T).max(dim=1)
+        best = self._nearest(questions, self._question_vectors, "questions")
         return [(float(value), self.questions[int(index)]) for value, index in zip(best.values, best.indices)]
 
     def yes_no_similarity(self, questions: list[str]) -> list[float]:
         """Per question, its cosine similarity to the nearest training yes/no question (both in
         question_form; attach_questions first, with a file that holds them)."""
-        if self._yes_no_vectors is None:
-            raise AnswerHeadError("the head's training yes/no questions are not loaded (attach_questions, with a "
-                                  "file scripts/build_head_questions.py wrote)")
-        vectors = torch.nn.functional.normalize(self.embed([question_form(q) for q in questions]).float(), dim=1)
-        return (vectors @ self._yes_no_vectors.T).max(dim=1).values.tolist()
+        return self._nearest(questions, self._yes_no_vectors, "yes/no questions").values.tolist()
 
     def nearest_question(self, question: str) -> tuple[float, str]:
         """(cosine similarity, text) of the training question most like `question`."""

@@ -282,6 +282,14 @@ def choose_threshold(confidence: np.ndarray, correct: np.ndarray, target: float)
             "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
 
 
+def check_scored(questions: list, scores: dict, path) -> None:
+    """Refuse scores made on other questions than held_out_closed's (by count and image, in order)."""
+    if len(questions) != len(scores["correct"]) or any(
+            str(example.image) != image for (_, example), image in zip(questions, scores["image"].tolist())):
+        raise SystemExit(f"{path} was not scored on the held-out questions of --data: give the --data and hold-out "
+                         "it was scored with, or score again")
+
+
 def questions_head(settings):
     """The answer head with its training questions (decoder.head_questions), for their yes/no questions."""
     from medvqa.answer_head import AnswerHead
@@ -361,15 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     calibration.groups = {name: group for name, (group, _) in fitted.items()}
     worded, worded_fitted, wording = None, {}, None
     if args.wording_similarity is not None:
-        if len(questions) != len(correct):
-            raise SystemExit(f"{args.scores} was not scored on the held-out questions of --data: score again")
+        check_scored(questions, scores, args.scores)
         with_questions = questions_head(settings)
         built_with = with_questions.questions_meta.get("holdout_percent")
         if built_with is not None and float(built_with) != float(args.holdout_percent or 0):
             raise SystemExit(f"{settings.decoder.head_questions} was built with --holdout-percent {built_with}, these "
                              f"scores with {args.holdout_percent}: its yes/no questions may hold the held-out ones")
-        if any(str(example.image) != image for (_, example), image in zip(questions, scores["image"].tolist())):
-            raise SystemExit(f"{args.scores} was not scored on the held-out questions of --data: score again")
         similarity = np.asarray(with_questions.yes_no_similarity([example.question for _, example in questions]))
         worded = worded_groups(scores["group"], similarity, args.wording_similarity)
         worded_fitted = fit_worded(scores, worded, configured, args.target_accuracy)

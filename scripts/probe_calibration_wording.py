@@ -71,10 +71,7 @@ def main(argv=None) -> int:
     split = SimpleNamespace(data=args.data, val=args.val, val_by_image=args.val_by_image, seed=args.seed,
                             holdout_percent=args.holdout_percent)
     questions = calibrate_closed.held_out_closed(split)
-    if len(questions) != len(scores["correct"]) or any(
-            str(example.image) != image for (_, example), image in zip(questions, scores["image"].tolist())):
-        raise SystemExit(f"{args.scores} was not scored on these questions: give the --data and hold-out "
-                         "calibrate_closed.py was run with")
+    calibrate_closed.check_scored(questions, scores, args.scores)
     scores["data"] = np.asarray([spec for spec, _ in questions])
     if "group" not in scores:
         scores["group"] = calibrate_closed.image_groups(scores["image"])

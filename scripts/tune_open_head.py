@@ -204,8 +204,8 @@ def main(argv=None) -> int:
             return loaded[0](questions)
 
         attach_similarities(tables, similarities)
-        chosen_similarity, similarity_lines = choose_similarity(
-            tables, chosen, args.tolerance, similarities(free_form) if free_form else None)
+        free_values = similarities(free_form) if free_form else None
+        chosen_similarity, similarity_lines = choose_similarity(tables, chosen, args.tolerance, free_values)
         print(f"\nAt {chosen:g}, and only questions this like a training question (cosine similarity):\n")
         print("| similarity at least | mean open recall % | " + " | ".join(f"{n} recall % (head's share %)" for n in names)
               + " |" + (f" other questions this similar % (of {len(free_form)}) |" if free_form else ""))
@@ -220,6 +220,9 @@ def main(argv=None) -> int:
             count, decoder, head = handed_over(rows, chosen, chosen_similarity)
             print(f"{name}: {count} questions go to the decoder for their similarity; its open recall on them "
                   f"{100 * decoder:.1f} %, the head's would be {100 * head:.1f} %")
+        if free_form:
+            reached = [q for q, value in zip(free_form, free_values) if value >= chosen_similarity]
+            print(f"other questions this similar ({len(reached)}): " + "; ".join(dict.fromkeys(reached)))
         print(f"chosen decoder.head_open_min_similarity = {chosen_similarity:g} "
               f"(the highest within {args.tolerance:g} point{'' if args.tolerance == 1 else 's'} of the best mean)")
         result.update(chosen_similarity=chosen_similarity, similarity_thresholds=similarity_lines,

@@ -384,7 +384,7 @@ def test_the_shipped_head_questions_belong_to_the_shipped_head():
     assert meta["questions_sha256"] == load.questions_sha256(questions) and questions == sorted(set(questions))
     assert vectors.dtype == torch.float16 and vectors.shape == (len(questions), 384)
     assert "What modality is used to take this image?" in questions
-    assert "Is this a CT?" not in questions  # answered yes or no only
+    assert "Is this a CT?" not in questions and "Is this a CT?" in json.loads(meta["yes_no_questions"])
     # Each answer but yes and no as the training answers write it, which normalises back to the answer.
     from medvqa.answers import normalise
 
