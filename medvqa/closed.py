@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .answers import normalise, surface_forms
-from .confidence import HEAD, PRESUPPOSED, YES_NO, question_kind
+from .confidence import HEAD, PRESUPPOSED, YES_NO, question_kind, ranked
 from .engines import EngineRequest
 from .model import VisionLanguageModel, image_digest
 from .presuppose import Presupposition, presupposition
@@ -37,6 +37,8 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     "encoder_head", checked against the profile's encoder; None otherwise."""
     decoder = settings.decoder
     uses = [name for name in ("closed_answerer", "open_answerer") if getattr(decoder, name) == "encoder_head"]
+    if decoder.head_agreement:
+        uses.append("head_agreement")
     if not uses:
         return None
     from .answer_head import AnswerHead, AnswerHeadError
@@ -49,6 +51,10 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     if "open_answerer" in uses and not 0.0 <= decoder.head_open_min_similarity <= 1.0:
         raise AnswerHeadError(f"decoder.head_open_min_similarity is {decoder.head_open_min_similarity}; it is a cosine "
                               "similarity, from 0 (off) to 1 (only questions nearly word for word like a training question)")
+    if model is None and uses == ["head_agreement"]:
+        log.info("decoder.head_agreement: the %r engine runs its own vision side; the answer head does not read "
+                 "its answers, and the image groups' fits are used", decoder.engine)
+        return None
     if model is None:
         raise AnswerHeadError(f"decoder.{uses[0]} 'encoder_head' reads the local image encoder's tokens; "
                               f"the {decoder.engine!r} engine runs its own vision side")
@@ -69,6 +75,8 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
     log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(
         "yes/no questions (decoder.closed_answerer)" if use == "closed_answerer" else
+        "nothing: it reads the decoder's yes/no answers a second time (decoder.head_agreement)"
+        if use == "head_agreement" else
         f"open questions above probability {decoder.head_open_min_probability:g}"
         + (f" like its training questions (similarity ≥ {decoder.head_open_min_similarity:g})"
            if decoder.head_open_min_similarity > 0 else "") + " (decoder.open_answerer)"
@@ -121,14 +129,42 @@ class ClosedQuestions:
             return None
         return head.yes_no_similarity([question])[0]
 
+    def encoder_reading(self, question: str, image: np.ndarray, digest: str) -> str | None:
+        """"yes" or "no": how the encoder's answer head reads a yes/no question the decoder answers, when
+        decoder.head_agreement is on and the calibration is fitted by agreement with this head
+        (Calibration.agreement); None otherwise."""
+        fitted, head = self.calibration.agreement, self.answer_head
+        if fitted is None or head is None or not self.settings.decoder.head_agreement:
+            return None
+        if fitted != head.digest:
+            if not getattr(self, "_agreement_warned", False):
+                log.warning("the closed-answer calibration is split by agreement with answer head %s…, not with "
+                            "decoder.answer_head %s…: the image groups' fits are used", fitted[:12], head.digest[:12])
+                self._agreement_warned = True
+            return None
+        scores = head.scores(self.model.vision_tokens(image, digest), question)
+        return "yes" if scores["yes"] >= scores["no"] else "no"
+
+    def encoder_agrees(self, question: str, choice: str, kind: str | None, image: np.ndarray,
+                       digest: str) -> tuple[str | None, bool | None]:
+        """(the head's reading, whether it is the decoder's `choice`) for a yes/no question the decoder
+        answered (kind YES_NO or PRESUPPOSED); (None, None) for other answers or without encoder_reading."""
+        if kind not in (YES_NO, PRESUPPOSED) or normalise(choice) not in ("yes", "no"):
+            return None, None
+        reading = self.encoder_reading(question, image, digest)
+        return reading, (None if reading is None else reading == normalise(choice))
+
     def _closed_verdict(self, conversation, scores: dict[str, float], route: str | None,
                         presupposed: Presupposition | None, question: str = ""):
         """(the `closed` record Done carries, the Verdict): the confidence from the calibration of the
-        image's group (and of the question's wording, where the file fits that), and whether the app
-        abstains."""
+        image's group (and of the question's wording, or of whether the encoder's answer head agrees,
+        where the file fits that), and whether the app abstains."""
         decoder = self.settings.decoder
         similarity = self.wording_similarity(question) if question else None
-        calibration = (self.calibration.for_group(conversation.image_group, similarity)  # the group's fit
+        reading, agrees = (self.encoder_agrees(question, ranked(scores)[0], route or question_kind(scores),
+                                               conversation.image, conversation.digest)
+                           if question and route != HEAD else (None, None))
+        calibration = (self.calibration.for_group(conversation.image_group, similarity, agrees)  # the group's fit
                        if self.calibration.groups else self.calibration)
         threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
         verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route)
@@ -139,6 +175,8 @@ class ClosedQuestions:
             closed["calibration_group"] = calibration.group
         if similarity is not None:
             closed["wording_similarity"] = round(similarity, 4)
+        if reading is not None:
+            closed["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees}
         if verdict.confidence is None and self.calibration.unused:
             closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
         if presupposed:

@@ -63,6 +63,12 @@ GREY = "grey"
 # (calibrate_closed.py --wording-similarity).
 WORDED = ", worded like training"
 WORDED_OTHERWISE = ", worded otherwise"
+# Within an image group, a file may also fit the decoder's yes/no answers that the encoder's answer head
+# reads the same way and those it reads the other way apart ("grey, image encoder agrees"; `agreement` in
+# the file; calibrate_closed.py --head-agreement). The decoder still answers; the head, trained with the
+# encoder's medical stage, is a second reader whose disagreement marks the answers not to trust.
+AGREES = ", image encoder agrees"
+DISAGREES = ", image encoder disagrees"
 # Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
 # On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
 # 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
@@ -147,17 +153,24 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self._to_dict(), indent=2) + "\n")
 
-    def for_image(self, image: np.ndarray, similarity: float | None = None) -> "Calibration":
+    def for_image(self, image: np.ndarray, similarity: float | None = None,
+                  agrees: bool | None = None) -> "Calibration":
         """The calibration for answers about `image`: its group's when the file fits one, else this
-        (`similarity` as for for_group)."""
-        return self.for_group(image_group(image), similarity) if self.groups else self
+        (`similarity` and `agrees` as for for_group)."""
+        return self.for_group(image_group(image), similarity, agrees) if self.groups else self
 
-    def for_group(self, group: str, similarity: float | None = None) -> "Calibration":
+    def for_group(self, group: str, similarity: float | None = None, agrees: bool | None = None) -> "Calibration":
         """The calibration for answers about an image of `group` (image_group): that group's fit when the
         file has one, else this. With the question's `similarity` to the nearest training yes/no question
         (AnswerHead.yes_no_similarity) and a file fitted by wording (`wording`), the fit of that group's
         questions worded like training (similarity at or above the file's threshold) or of the rest,
-        when the file has one."""
+        when the file has one. With `agrees` (whether the encoder's answer head gives the decoder's yes/no
+        answer; None for an answer it does not read) and a file fitted by agreement (`agreement`), the fit
+        of that group's answers the head agrees with, or of those it does not, when the file has one."""
+        if agrees is not None and self.agreement is not None:
+            part = self.groups.get(group + (AGREES if agrees else DISAGREES))
+            if part is not None:
+                return part
         if similarity is not None and self.wording is not None:
             part = self.groups.get(group + (WORDED if similarity >= self.wording else WORDED_OTHERWISE))
             if part is not None:
@@ -170,6 +183,13 @@ class Calibration:
         does not tell them apart)."""
         value = (self.meta.get("wording") or {}).get("min_similarity")
         return None if value is None else float(value)
+
+    @property
+    def agreement(self) -> str | None:
+        """The digest of the answer head whose agreement with the decoder's yes/no answers the file fits
+        apart (None: the file does not tell them apart)."""
+        value = (self.meta.get("agreement") or {}).get("answer_head_digest")
+        return None if value is None else str(value)
 
     @property
     def group(self) -> str | None:
@@ -327,12 +347,16 @@ def confidence_text(closed: dict) -> str:
 def held_out_text(held_out: dict) -> str:
     """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
     group = str(held_out.get("group") or "")
-    base = group.removesuffix(WORDED).removesuffix(WORDED_OTHERWISE)
+    base = group.removesuffix(WORDED).removesuffix(WORDED_OTHERWISE).removesuffix(AGREES).removesuffix(DISAGREES)
     images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(base, "training images")
     if group.endswith(WORDED):
         images += ", of questions worded like the training questions"
     elif group.endswith(WORDED_OTHERWISE):
         images += ", of questions worded unlike the training questions"
+    elif group.endswith(AGREES):
+        images += ", where the image encoder's own reading gave the same answer"
+    elif group.endswith(DISAGREES):
+        images += ", where the image encoder's own reading gave the other answer"
     return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
             f"{images} (n = {held_out['n']})")
 

@@ -35,6 +35,13 @@ decoder.min_confidence, as the app does. SLAKE's templated questions are
 right more often at the same margin than VQA-RAD's freely worded ones, which set the grey threshold
 (docs/evaluation.md). The file's `wording` names S and the yes/no questions (by SHA-256).
 
+With --head-agreement, each image group's yes/no questions the decoder answers (Yes against No, or through the
+presupposed open question) are split by whether the encoder's answer head (decoder.answer_head) reads them the
+same way: "grey, image encoder agrees" and "grey, image encoder disagrees" each get their own fits, table and
+threshold when they number MIN_PER_GROUP or more (a part reaching no target gets decoder.min_confidence); the
+questions naming their options keep the image group's. The decoder still answers every question; the app uses
+these parts with decoder.head_agreement on. The file's `agreement` names the head (heads_digest).
+
 With decoder.closed_answerer "encoder_head" (MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head) the yes/no
 questions of the kinds in decoder.head_answers (organ presence and those naming no attribute, by default)
 are answered by the encoder's answer head, fitted as their own kind ("head"); the file, written to
@@ -54,7 +61,8 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import HEAD, KINDS, WORDED, WORDED_OTHERWISE, Calibration, fit_platt, image_group, reliability
+from medvqa.confidence import (AGREES, DISAGREES, HEAD, KINDS, PRESUPPOSED, WORDED, WORDED_OTHERWISE, YES_NO,
+                               Calibration, fit_platt, image_group, reliability)
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
@@ -73,7 +81,7 @@ def score_held_out(args, settings) -> dict:
     settings.decoder.abstain = False
     settings.decoder.image_reliance = False
     pipeline = Pipeline.load(settings, with_retrieval=False)
-    rows = {"margin": [], "kind": [], "correct": [], "image": [], "group": []}
+    rows = {"margin": [], "kind": [], "correct": [], "image": [], "group": [], "choice": []}
     for example in tqdm(closed, desc="held-out closed questions", unit="q", file=sys.stderr):
         conversation = Conversation(image=read_image(example.image))
         done = [e for e in pipeline.ask(conversation, example.question, use_retrieval=False, warm=False)
@@ -82,6 +90,7 @@ def score_held_out(args, settings) -> dict:
         rows["margin"].append(done.closed["margin"])
         rows["kind"].append(done.closed["kind"])
         rows["correct"].append(bool(closed_correct(done.closed["choice"], example.answer)))
+        rows["choice"].append(str(done.closed["choice"]))
         rows["image"].append(str(example.image))
         rows["group"].append(image_group(conversation.image))
     return {key: np.asarray(value) for key, value in rows.items()}
@@ -212,6 +221,68 @@ def fit_worded(scores: dict, worded: np.ndarray, configured: float, target: floa
     return fit_groups({**scores, "group": worded}, configured, target)
 
 
+def head_margins(settings, questions: list) -> np.ndarray:
+    """The encoder's answer head's Yes-minus-No logit for each (data spec, example) of `questions`, each image
+    encoded once (the head reads the encoder's tokens before the projector)."""
+    import torch
+    from tqdm import tqdm
+
+    from medvqa.answer_head import AnswerHead
+    from medvqa.config import resolve_path
+    from medvqa.datasets import read_image
+    from medvqa.vision import build_vision, encoder_sha256
+
+    head = AnswerHead.load(resolve_path(settings.decoder.answer_head))
+    vision = build_vision(settings.vision, torch.device("cpu"), torch.float32, settings.offline)
+    head.check_encoder(encoder_sha256(settings.vision), vision.hidden_size, vision.num_tokens)
+    tokens: dict[str, torch.Tensor] = {}
+    margins = []
+    for _, example in tqdm(questions, desc="the answer head's readings", unit="q", file=sys.stderr):
+        key = str(example.image)
+        if key not in tokens:
+            with torch.inference_mode():
+                tokens[key] = vision.encode(vision.preprocess([read_image(example.image)]))
+        yes, no = head.yes_no_logits(tokens[key], [example.question])[0].tolist()
+        margins.append(yes - no)
+    return np.asarray(margins)
+
+
+def decoder_choices(scores: dict, questions: list) -> np.ndarray:
+    """The decoder's answer to each question, lower-cased: kept with the scores, or (scores kept before
+    that) for a yes/no question the reference when it was right and the other answer when not ("" for
+    the rest)."""
+    if "choice" in scores:
+        return np.asarray([str(choice).strip().lower() for choice in scores["choice"].tolist()])
+    from medvqa.answers import normalise
+
+    choices = []
+    for (_, example), right in zip(questions, scores["correct"].tolist()):
+        reference = normalise(example.answer)
+        other = {"yes": "no", "no": "yes"}.get(reference, "")
+        choices.append(reference if right and other else other)
+    return np.asarray(choices)
+
+
+def agreement_groups(groups: np.ndarray, kinds: np.ndarray, choices: np.ndarray, margins: np.ndarray) -> np.ndarray:
+    """Each yes/no question the decoder answered (kinds YES_NO and PRESUPPOSED, answer yes or no) labelled
+    with its image group and whether the head's reading (margin ≥ 0: yes) is the decoder's answer
+    (confidence.AGREES, DISAGREES); other questions keep their image group."""
+    labels = []
+    for group, kind, choice, margin in zip(groups.tolist(), kinds.tolist(), choices.tolist(), margins.tolist()):
+        if kind in (YES_NO, PRESUPPOSED) and choice in ("yes", "no"):
+            labels.append(group + (AGREES if (margin >= 0) == (choice == "yes") else DISAGREES))
+        else:
+            labels.append(group)
+    return np.asarray(labels)
+
+
+def fit_agreement(scores: dict, labels: np.ndarray, configured: float, target: float) -> dict:
+    """fit_groups for the agreeing and disagreeing part of each image group (MIN_PER_GROUP questions or
+    more each); the questions left with their image group are not fitted again."""
+    fitted = fit_groups({**scores, "group": labels}, configured, target)
+    return {name: value for name, value in fitted.items() if name.endswith((AGREES, DISAGREES))}
+
+
 def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict,
                     worded: np.ndarray | None = None, worded_fitted: dict | None = None,
                     configured: float | None = None) -> dict:
@@ -332,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="refit from the saved scores")
     parser.add_argument("--target-accuracy", type=float, default=0.8,
                         help="the out-of-fold accuracy of answered questions the abstention threshold is chosen for")
+    parser.add_argument("--head-agreement", action="store_true",
+                        help="also fit, within each image group, the decoder's yes/no answers the encoder's answer "
+                             "head agrees with and those it does not apart (used with decoder.head_agreement)")
     parser.add_argument("--wording-similarity", type=float, default=None,
                         help="also fit, within each image group, the questions at least this similar to a training "
                              "yes/no question apart (the yes/no questions of decoder.head_questions)")
@@ -340,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: without --val-by-image the held-out questions share images with training; "
               "the confidence will be too high on new images", file=sys.stderr)
 
+    if args.head_agreement and args.wording_similarity is not None:
+        parser.error("--head-agreement and --wording-similarity split the image groups two ways; give one")
     settings = load_settings(args.profile)
     if args.engine:
         settings.decoder.engine = args.engine
@@ -381,6 +457,19 @@ def main(argv: list[str] | None = None) -> int:
         calibration.groups.update({name: group for name, (group, _) in worded_fitted.items()})
         wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": with_questions.yes_no_digest,
                    "questions": {name: int((worded == name).sum()) for name in sorted(set(worded.tolist()))}}
+    agreement = None
+    if args.head_agreement:
+        if head:
+            raise SystemExit("--head-agreement splits the decoder's answers by the head's reading; with "
+                             "decoder.closed_answerer 'encoder_head' the head answers them itself")
+        check_scored(questions, scores, args.scores)
+        labels = agreement_groups(scores["group"], kind, decoder_choices(scores, questions),
+                                  head_margins(settings, questions))
+        agreed = fit_agreement(scores, labels, configured, args.target_accuracy)
+        calibration.groups.update({name: group for name, (group, _) in agreed.items()})
+        worded, worded_fitted = labels, agreed  # app_out_of_fold judges each question by its part's fit
+        agreement = {"answer_head_digest": answer_head_digest(settings),
+                     "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))}}
     projector = Path(settings.projector.weights)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
@@ -398,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
         "groups_by_data": groups_by_data(scores),
         **({"wording": wording} if wording else {}),
+        **({"agreement": agreement} if agreement else {}),
         "command": ("MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head " if head else "") + "python "
                    + " ".join(["scripts/calibrate_closed.py", *(argv if argv is not None else sys.argv[1:])]),
     }

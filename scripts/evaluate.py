@@ -34,7 +34,7 @@ from medvqa.confidence import HEAD
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
-from medvqa.model import BLANK_IMAGE
+from medvqa.model import BLANK_IMAGE, image_digest
 from medvqa.pipeline import Pipeline
 from medvqa.presuppose import KINDS as PRESUPPOSED_KINDS
 
@@ -220,8 +220,13 @@ def main() -> None:
     for example, r in zip(examples, rows):
         if r["answer_type"] == "CLOSED":
             # As the app judges it: the fit and threshold of the image's group when the file has groups
-            # (and of the question's wording, where the file fits that).
-            calibration = (pipeline.calibration.for_image(image(example.image), pipeline.wording_similarity(example.question))
+            # (and of the question's wording, or of the answer head's agreement, where the file fits that).
+            picture = image(example.image)
+            reading, agrees = pipeline.encoder_agrees(example.question, str(r.get(main_condition) or ""),
+                                                      r.get("closed_kind"), picture, image_digest(picture))
+            if reading is not None:
+                r["encoder_reading"] = {"answer": reading, "agrees": agrees}
+            calibration = (pipeline.calibration.for_image(picture, pipeline.wording_similarity(example.question), agrees)
                            if pipeline.calibration.groups else pipeline.calibration)
             r["confidence"] = None if r.get("margin") is None else calibration.confidence(r["margin"], r["closed_kind"])
             r["threshold"] = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)

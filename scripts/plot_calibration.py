@@ -8,7 +8,8 @@ count; on the diagonal a confidence means what it says) and the risk-coverage cu
 the most confident questions: the share answered against their accuracy), with the abstention
 threshold the app uses marked. A file older than the curve draws the first panel only.
 `--group grey|colour` draws the fit of one image group instead (the one the app uses for such images;
-"grey, worded like training" and the like for a file fitted with --wording-similarity):
+"grey, worded like training" and the like for a file fitted with --wording-similarity, "grey, image encoder
+agrees" and the like for one fitted with --head-agreement):
 
     python scripts/plot_calibration.py --group grey -o docs/calibration-grey.svg
 """
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     group = args.group or ""
     images = (f"{group.split(',')[0]} training images" if group else "training images") + (
         ", questions worded like the training ones" if "worded like training" in group else
-        ", questions worded otherwise" if "worded otherwise" in group else "")
+        ", questions worded otherwise" if "worded otherwise" in group else
+        ", answers the encoder's head agrees with" if "encoder agrees" in group else
+        ", answers the encoder's head disagrees with" if "encoder disagrees" in group else "")
     title = (f"{Path(args.calibration).name}: {fitted.get('questions', '?')} held-out closed questions "
              f"on {fitted.get('images', '?')} {images}")
     args.output.write_text(svg(calibration, title))

@@ -226,6 +226,19 @@ def test_the_shipped_head_calibration_names_its_projector_bias_and_head():
                                                                        answers)
 
 
+def test_the_shipped_decoder_calibration_is_split_by_the_shipped_heads_agreement():
+    """The offline profile reads the decoder's yes/no answers a second time with the head, and its
+    calibration's parts name that head."""
+    from medvqa.confidence import AGREES, DISAGREES, load_calibration
+
+    settings = load_settings("offline")
+    assert settings.decoder.head_agreement and settings.decoder.closed_answerer == "decoder"
+    calibration = load_calibration(settings.decoder.calibration)
+    assert calibration.agreement == AnswerHead.digest_of(HEADS)
+    assert {"grey" + AGREES, "grey" + DISAGREES} <= set(calibration.groups)
+    assert load_settings("offline", env={"MEDVQA_DECODER__HEAD_AGREEMENT": "false"}).decoder.head_agreement is False
+
+
 def test_the_page_footer_says_when_the_head_answers(tiny_pipeline, head_pipeline):
     from medvqa.ui.layout import footer_text
 
@@ -549,3 +562,50 @@ def test_a_calibration_fitted_by_wording_is_used_for_questions_worded_like_train
     # Fitted with other yes/no questions: the image group's fit, whatever the wording.
     pipeline.calibration.meta["wording"]["yes_no_questions_sha256"] = "0" * 64
     assert _ask(pipeline, "Does the picture contain liver?").closed["calibration_group"] == "grey"
+
+
+def test_the_head_as_a_second_reader_splits_the_decoders_confidence_by_its_agreement(head_pipeline):
+    """decoder.head_agreement: the decoder answers; the head's reading picks the calibration part."""
+    from medvqa.confidence import AGREES, DISAGREES
+
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.closed_answerer = "decoder"
+    settings.decoder.presupposed_closed = False
+    settings.decoder.head_agreement = True
+    pipeline = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    head = pipeline.answer_head
+    assert head is not None and not pipeline.head_closes
+    parts = {name: Calibration({YES_NO: (slope, 0.0)}, {"group": name})
+             for name, slope in (("grey", 1.0), ("grey" + AGREES, 3.0), ("grey" + DISAGREES, 0.1))}
+    pipeline.calibration = Calibration({YES_NO: (0.5, 0.0)}, {"agreement": {"answer_head_digest": head.digest}},
+                                       groups=parts)
+    question, image = "Is there a nodule in the left lung?", _image()
+    done = _ask(pipeline, question, image)
+    assert done.closed["kind"] == YES_NO and "answerer" not in done.closed  # the decoder answered
+    scores = head.scores(head_pipeline.model.vision_tokens(image), question)
+    reading = "yes" if scores["yes"] >= scores["no"] else "no"
+    agrees = reading == done.closed["choice"]
+    assert done.closed["encoder_reading"] == {"answer": reading.capitalize(), "agrees": agrees}
+    assert done.closed["calibration_group"] == "grey" + (AGREES if agrees else DISAGREES)
+    # A question naming its options is not read by the head: the image group's fit.
+    either = _ask(pipeline, "Is the nodule in the left or the right lung?", image)
+    assert "encoder_reading" not in either.closed and either.closed["calibration_group"] == "grey"
+    # A file split by agreement with another head, or the setting off: the image group's fit.
+    pipeline.calibration.meta["agreement"]["answer_head_digest"] = "0" * 64
+    assert _ask(pipeline, question, image).closed["calibration_group"] == "grey"
+    pipeline.calibration.meta["agreement"]["answer_head_digest"] = head.digest
+    pipeline.settings.decoder.head_agreement = False
+    off = _ask(pipeline, question, image)
+    assert "encoder_reading" not in off.closed and off.closed["calibration_group"] == "grey"
+
+
+def test_head_agreement_with_a_remote_engine_is_left_out_not_an_error(head_pipeline):
+    from medvqa.closed import load_answer_head
+
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.closed_answerer = "decoder"
+    settings.decoder.head_agreement = True
+    assert load_answer_head(settings, None) is None
+    settings.decoder.closed_answerer = "encoder_head"
+    with pytest.raises(AnswerHeadError, match="vision side"):
+        load_answer_head(settings, None)

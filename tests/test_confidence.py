@@ -546,3 +546,72 @@ def test_a_calibration_fitted_by_wording_is_written_for_the_answerer_it_was_fitt
     assert "closed_answerer" not in written and not written["command"].startswith("MEDVQA_")
     assert written["wording"]["min_similarity"] == 0.9 and written["wording"]["yes_no_questions_sha256"]
     assert sum(written["wording"]["questions"].values()) == n
+
+
+def test_a_calibration_split_by_the_heads_agreement_judges_each_part_by_its_fit():
+    from medvqa.confidence import AGREES, DISAGREES, held_out_text
+
+    grey, agreeing = Calibration({YES_NO: (1.0, 0.0)}), Calibration({YES_NO: (3.0, 0.0)})
+    calibration = Calibration({YES_NO: (0.5, 0.0)}, {"agreement": {"answer_head_digest": "ab" * 32}},
+                              groups={"grey": grey, "grey" + AGREES: agreeing})
+    assert calibration.agreement == "ab" * 32 and Calibration().agreement is None
+    assert calibration.for_group("grey", agrees=True) is agreeing
+    assert calibration.for_group("grey", agrees=False) is grey  # no part fitted: the image group's
+    assert calibration.for_group("grey") is grey and calibration.for_group("colour", agrees=True) is calibration
+    disagreeing = Calibration({YES_NO: (0.1, 0.0)})
+    calibration.groups["grey" + DISAGREES] = disagreeing
+    assert calibration.for_group("grey", agrees=False) is disagreeing
+    # A file without `agreement` ignores the reading.
+    assert Calibration({YES_NO: (1.0, 0.0)}, groups={"grey": grey}).for_group("grey", agrees=True) is grey
+    assert held_out_text({"group": "grey" + AGREES, "accuracy": 0.84, "n": 120}).endswith(
+        "held-out grey training images, where the image encoder's own reading gave the same answer (n = 120)")
+    assert "where the image encoder's own reading gave the other answer (n = 30)" in held_out_text(
+        {"group": "colour" + DISAGREES, "accuracy": 0.5, "n": 30})
+
+
+def test_agreement_labels_only_the_decoders_yes_no_answers():
+    script = load_script("calibrate_closed")
+    groups = np.asarray(["grey", "grey", "grey", "colour", "grey"])
+    kinds = np.asarray([YES_NO, PRESUPPOSED, CHOICE, YES_NO, "head"])
+    choices = np.asarray(["yes", "no", "left", "no", "yes"])
+    margins = np.asarray([1.5, 0.4, 2.0, -0.3, 3.0])
+    assert script.agreement_groups(groups, kinds, choices, margins).tolist() == [
+        "grey, image encoder agrees", "grey, image encoder disagrees", "grey", "colour, image encoder agrees", "grey"]
+    # Scores kept before the decoder's choice was: a yes/no choice from the reference and whether it was right.
+    from types import SimpleNamespace
+    questions = [("slake", SimpleNamespace(answer="Yes")), ("slake", SimpleNamespace(answer="no")),
+                 ("slake", SimpleNamespace(answer="Left"))]
+    assert script.decoder_choices({"correct": np.asarray([False, True, True])}, questions).tolist() == ["no", "no", ""]
+    assert script.decoder_choices({"choice": np.asarray(["Yes", "No", "Left"])}, questions).tolist() == \
+        ["yes", "no", "left"]
+
+
+def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp_path):
+    from types import SimpleNamespace
+
+    script = load_script("calibrate_closed")
+    data = ["vqa-rad:train"]
+    questions = script.held_out_closed(SimpleNamespace(data=data, val=400, val_by_image=False, seed=0,
+                                                       holdout_percent=15.0))
+    n = len(questions)
+    rng = np.random.default_rng(8)
+    margin = rng.uniform(0, 4, n)
+    scores = tmp_path / "scores.npz"
+    np.savez(scores, margin=margin, kind=np.full(n, YES_NO), correct=rng.uniform(0, 1, n) < 0.45 + 0.12 * margin,
+             image=np.asarray([str(example.image) for _, example in questions]), group=np.full(n, "grey"),
+             choice=np.asarray(["Yes" if i % 2 else "No" for i in range(n)]))
+    out = tmp_path / "calibration.json"
+    arguments = ["--data", *data, "--holdout-percent", "15", "--scores", str(scores), "--reuse", "--out", str(out)]
+    with pytest.raises(SystemExit):
+        script.main([*arguments, "--head-agreement", "--wording-similarity", "0.9"])
+    assert script.main([*arguments, "--head-agreement"]) == 0
+    written = json.loads(out.read_text())
+    from medvqa.answer_head import AnswerHead
+    from medvqa.config import load_settings, resolve_path
+    assert written["agreement"]["answer_head_digest"] == AnswerHead.digest_of(
+        resolve_path(load_settings("offline").decoder.answer_head))
+    counts = written["agreement"]["questions"]
+    assert sum(counts.values()) == n and set(counts) <= {"grey, image encoder agrees", "grey, image encoder disagrees"}
+    fitted = {name for name in written["groups"] if name != "grey"}
+    assert fitted == {name for name, count in counts.items() if count >= script.MIN_PER_GROUP}
+    assert set(written["app_out_of_fold"]["thresholds"]) == {"grey", *fitted}
