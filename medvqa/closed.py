@@ -58,8 +58,17 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     if model is None:
         raise AnswerHeadError(f"decoder.{uses[0]} 'encoder_head' reads the local image encoder's tokens; "
                               f"the {decoder.engine!r} engine runs its own vision side")
-    head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
-    head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+    try:
+        head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
+        head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
+    except (AnswerHeadError, FileNotFoundError) as error:
+        if uses != ["head_agreement"]:
+            raise
+        # Only a second reader: without a head that fits this encoder the app answers as before, each answer
+        # judged by its image group's fit.
+        log.warning("decoder.head_agreement: the answer head is not used (%s); the image groups' fits judge the "
+                    "decoder's answers", error)
+        return None
     questions = resolve_path(decoder.head_questions) if decoder.head_questions else ""
     if "open_answerer" in uses and decoder.head_open_min_similarity > 0:
         head.attach_questions(questions)

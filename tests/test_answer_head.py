@@ -609,3 +609,19 @@ def test_head_agreement_with_a_remote_engine_is_left_out_not_an_error(head_pipel
     settings.decoder.closed_answerer = "encoder_head"
     with pytest.raises(AnswerHeadError, match="vision side"):
         load_answer_head(settings, None)
+
+
+def test_head_agreement_beside_another_encoder_is_left_out_not_an_error(tiny_pipeline, caplog):
+    """The ImageNet encoder (weights/offline-imagenet) or any other: the head's features mean nothing there;
+    as a second reader it is skipped with a warning, as an answerer it is refused."""
+    from medvqa.closed import load_answer_head
+
+    settings = copy.deepcopy(tiny_pipeline.settings)  # a tiny CLIP encoder, not the head's
+    settings.decoder.answer_head = str(HEADS)
+    settings.decoder.head_agreement = True
+    with caplog.at_level("WARNING", logger="medvqa.closed"):
+        assert load_answer_head(settings, tiny_pipeline.model) is None
+    assert "head_agreement" in caplog.text
+    settings.decoder.closed_answerer = "encoder_head"
+    with pytest.raises(AnswerHeadError):
+        load_answer_head(settings, tiny_pipeline.model)

@@ -64,6 +64,21 @@ def test_llama_cpp_streams_reuses_the_prefix_and_answers_closed_questions(pipeli
     assert answer in ("Yes", "No") or re.match(r"Uncertain — .*leans to (Yes|No)", answer), answer
 
 
+def test_the_offline_profile_judges_a_yes_no_answer_by_the_heads_agreement(pipelines):
+    """As shipped: the decoder answers, the answer head reads the question a second time, and the
+    calibration part of that agreement judges the confidence."""
+    llama, _ = pipelines
+    image = np.zeros((64, 64, 3), np.uint8)
+    image[16:48, 20:44] = 180
+    done = llama.answer_done(image, "Is there a pleural effusion?", use_retrieval=False, constrained=True)
+    reading = done.closed["encoder_reading"]
+    assert reading["answer"] in ("Yes", "No") and reading["agrees"] == (reading["answer"].lower() == done.closed["choice"])
+    part = "agrees" if reading["agrees"] else "disagrees"
+    assert done.closed["calibration_group"] == f"grey, image encoder {part}"
+    if done.closed["held_out"]:  # (None for a confidence in a bin no held-out answer of that part fell in)
+        assert done.closed["held_out"]["group"] == done.closed["calibration_group"]
+
+
 def test_warming_the_next_turn_keeps_the_answer_and_shortens_the_prefill(pipelines):
     llama, _ = pipelines
     turns = []
