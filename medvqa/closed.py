@@ -34,16 +34,15 @@ log = logging.getLogger(__name__)
 
 def load_answer_head(settings, model: VisionLanguageModel | None):
     """The encoder's answer head when `decoder.closed_answerer` or `decoder.open_answerer` is
-    "encoder_head", checked against the profile's encoder; None otherwise."""
+    "encoder_head", or `decoder.head_agreement` is on, checked against the profile's encoder; None otherwise
+    (and, for head_agreement alone, when it cannot be loaded or read this encoder: logged)."""
     decoder = settings.decoder
     uses = [name for name in ("closed_answerer", "open_answerer") if getattr(decoder, name) == "encoder_head"]
     if decoder.head_agreement:
         uses.append("head_agreement")
     if not uses:
         return None
-    from .answer_head import AnswerHead, AnswerHeadError
-    from .config import resolve_path
-    from .vision import encoder_sha256
+    from .answer_head import AnswerHeadError
 
     if "open_answerer" in uses and not 0.0 <= decoder.head_open_min_probability <= 1.0:
         raise AnswerHeadError(f"decoder.head_open_min_probability is {decoder.head_open_min_probability}; "
@@ -58,17 +57,25 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
     if model is None:
         raise AnswerHeadError(f"decoder.{uses[0]} 'encoder_head' reads the local image encoder's tokens; "
                               f"the {decoder.engine!r} engine runs its own vision side")
+    if uses != ["head_agreement"]:
+        return _load_head(settings, model, uses)
     try:
-        head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
-        head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
-    except (AnswerHeadError, FileNotFoundError) as error:
-        if uses != ["head_agreement"]:
-            raise
-        # Only a second reader: without a head that fits this encoder the app answers as before, each answer
-        # judged by its image group's fit.
-        log.warning("decoder.head_agreement: the answer head is not used (%s); the image groups' fits judge the "
-                    "decoder's answers", error)
+        return _load_head(settings, model, uses)
+    except Exception as error:  # noqa: BLE001 - only a second reader: the app answers as before without it
+        log.warning("decoder.head_agreement: the answer head is not used (%s: %s); the image groups' fits judge the "
+                    "decoder's answers", type(error).__name__, error)
         return None
+
+
+def _load_head(settings, model: VisionLanguageModel, uses: list[str]):
+    """load_answer_head's head for `uses`, checked against the profile's encoder and warmed."""
+    from .answer_head import AnswerHead, AnswerHeadError
+    from .config import resolve_path
+    from .vision import encoder_sha256
+
+    decoder = settings.decoder
+    head = AnswerHead.load(resolve_path(decoder.answer_head) if decoder.answer_head else "")
+    head.check_encoder(encoder_sha256(settings.vision), model.vision.hidden_size, model.num_image_tokens)
     questions = resolve_path(decoder.head_questions) if decoder.head_questions else ""
     if "open_answerer" in uses and decoder.head_open_min_similarity > 0:
         head.attach_questions(questions)
@@ -82,14 +89,15 @@ def load_answer_head(settings, model: VisionLanguageModel | None):
                         "calibration split by wording uses its image groups' fits): %s", error)
     head.warm()  # its question embedder, before the first answer
     model.keep_features = True  # the head reads the encoder's tokens: keep them beside the projected ones
-    log.info("the encoder's answer head %s answers %s", decoder.answer_head, " and ".join(
-        "yes/no questions (decoder.closed_answerer)" if use == "closed_answerer" else
-        "nothing: it reads the decoder's yes/no answers a second time (decoder.head_agreement)"
-        if use == "head_agreement" else
-        f"open questions above probability {decoder.head_open_min_probability:g}"
-        + (f" like its training questions (similarity ≥ {decoder.head_open_min_similarity:g})"
-           if decoder.head_open_min_similarity > 0 else "") + " (decoder.open_answerer)"
-        for use in uses))
+    answers = [("yes/no questions (decoder.closed_answerer)" if use == "closed_answerer" else
+                f"open questions above probability {decoder.head_open_min_probability:g}"
+                + (f" like its training questions (similarity ≥ {decoder.head_open_min_similarity:g})"
+                   if decoder.head_open_min_similarity > 0 else "") + " (decoder.open_answerer)")
+               for use in uses if use != "head_agreement"]
+    log.info("the encoder's answer head %s %s%s", decoder.answer_head,
+             f"answers {' and '.join(answers)}" if answers else "answers nothing",
+             "; it reads the decoder's yes/no answers a second time (decoder.head_agreement)"
+             if "head_agreement" in uses else "")
     return head
 
 

@@ -259,7 +259,7 @@ def _offline_profile(cache_dir: str) -> Settings:
                               # The answer head as a second reader of the decoder's yes/no answers (which the
                               # decoder still gives): on the held-out training images, out of fold, the app
                               # answers 60.7 % of the closed questions at 83.6 % right instead of 57.4 % at
-                              # 80.1 % (SLAKE 34.0 % at 81.5 % instead of 25.8 % at 82.9 %; docs/evaluation.md).
+                              # 80.1 % (SLAKE 34.0 % at 81.5 % instead of 26.1 % at 83.1 %; docs/evaluation.md).
                               head_agreement=True,
                               # Used only with closed_answerer = "encoder_head" (docs/encoder.md).
                               answer_head=str(REPO_ROOT / "weights" / "offline" / "encoder_heads.safetensors"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -43,6 +44,8 @@ from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -207,6 +210,11 @@ class Pipeline(ClosedQuestions):
             settings.decoder.head_calibration if self.head_closes else settings.decoder.calibration,
             model.projector.sha256 if model else None, settings.decoder.yes_bias,
             *((self.answer_head.digest, settings.decoder.head_answers) if self.head_closes else ()))
+        if (settings.decoder.head_agreement and self.answer_head is not None and not self.head_closes
+                and self.calibration.fits and self.calibration.agreement is None):
+            log.warning("decoder.head_agreement is on but the calibration %s is not split by the answer head's "
+                        "agreement (scripts/calibrate_closed.py --head-agreement): the head's second reading is not used",
+                        settings.decoder.calibration)
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,

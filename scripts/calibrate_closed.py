@@ -223,7 +223,9 @@ def fit_worded(scores: dict, worded: np.ndarray, configured: float, target: floa
 
 def head_margins(settings, questions: list) -> np.ndarray:
     """The encoder's answer head's Yes-minus-No logit for each (data spec, example) of `questions`, each image
-    encoded once (the head reads the encoder's tokens before the projector)."""
+    encoded once (the head reads the encoder's tokens before the projector). On the CPU in fp32, as the
+    offline profile runs; on a GPU the app's encoder may run in half precision, which can flip a reading
+    whose margin is near 0."""
     import torch
     from tqdm import tqdm
 
@@ -274,6 +276,25 @@ def agreement_groups(groups: np.ndarray, kinds: np.ndarray, choices: np.ndarray,
         else:
             labels.append(group)
     return np.asarray(labels)
+
+
+def agreement_by_data(scores: dict, labels: np.ndarray) -> dict:
+    """The decoder's accuracy per --data spec on the questions the head agrees with, those it does not, and
+    those it does not read (printed, and kept in the file's `agreement`); {} without the scores' data specs."""
+    if "data" not in scores:
+        return {}
+    part = np.asarray(["agrees" if label.endswith(AGREES) else "disagrees" if label.endswith(DISAGREES)
+                       else "not read" for label in labels.tolist()])
+    table: dict[str, dict] = {}
+    for spec in sorted(set(scores["data"].tolist())):
+        for name in ("agrees", "disagrees", "not read"):
+            mine = (scores["data"] == spec) & (part == name)
+            if mine.any():
+                table.setdefault(spec, {})[name] = {"n": int(mine.sum()),
+                                                     "accuracy": round(float(scores["correct"][mine].mean()), 4)}
+                print(f"  {spec}, the head {name if name != 'not read' else 'not reading'}: {int(mine.sum())} "
+                      f"questions, the decoder {100 * scores['correct'][mine].mean():.1f} % right", file=sys.stderr)
+    return table
 
 
 def fit_agreement(scores: dict, labels: np.ndarray, configured: float, target: float) -> dict:
@@ -469,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration.groups.update({name: group for name, (group, _) in agreed.items()})
         worded, worded_fitted = labels, agreed  # app_out_of_fold judges each question by its part's fit
         agreement = {"answer_head_digest": answer_head_digest(settings),
-                     "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))}}
+                     "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))},
+                     "accuracy_by_data": agreement_by_data(scores, labels)}
     projector = Path(settings.projector.weights)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,

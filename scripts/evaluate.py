@@ -225,7 +225,7 @@ def main() -> None:
             reading, agrees = pipeline.encoder_agrees(example.question, str(r.get(main_condition) or ""),
                                                       r.get("closed_kind"), picture, image_digest(picture))
             if reading is not None:
-                r["encoder_reading"] = {"answer": reading, "agrees": agrees}
+                r["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees}  # as Done.closed has it
             calibration = (pipeline.calibration.for_image(picture, pipeline.wording_similarity(example.question), agrees)
                            if pipeline.calibration.groups else pipeline.calibration)
             r["confidence"] = None if r.get("margin") is None else calibration.confidence(r["margin"], r["closed_kind"])

@@ -564,21 +564,30 @@ def test_a_calibration_fitted_by_wording_is_used_for_questions_worded_like_train
     assert _ask(pipeline, "Does the picture contain liver?").closed["calibration_group"] == "grey"
 
 
-def test_the_head_as_a_second_reader_splits_the_decoders_confidence_by_its_agreement(head_pipeline):
-    """decoder.head_agreement: the decoder answers; the head's reading picks the calibration part."""
+def _second_reader(head_pipeline, kind: str, presupposed: bool = False) -> Pipeline:
+    """The decoder answering with decoder.head_agreement on, and a calibration split by this head's
+    agreement whose parts (grey: slope 1, agreeing: 3, disagreeing: 0.1) fit answers of `kind`."""
     from medvqa.confidence import AGREES, DISAGREES
 
     settings = copy.deepcopy(head_pipeline.settings)
     settings.decoder.closed_answerer = "decoder"
-    settings.decoder.presupposed_closed = False
+    settings.decoder.presupposed_closed = presupposed
     settings.decoder.head_agreement = True
     pipeline = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    parts = {name: Calibration({kind: (slope, 0.0)}, {"group": name})
+             for name, slope in (("grey", 1.0), ("grey" + AGREES, 3.0), ("grey" + DISAGREES, 0.1))}
+    pipeline.calibration = Calibration({kind: (0.5, 0.0)},
+                                       {"agreement": {"answer_head_digest": pipeline.answer_head.digest}}, groups=parts)
+    return pipeline
+
+
+def test_the_head_as_a_second_reader_splits_the_decoders_confidence_by_its_agreement(head_pipeline):
+    """decoder.head_agreement: the decoder answers; the head's reading picks the calibration part."""
+    from medvqa.confidence import AGREES, DISAGREES
+
+    pipeline = _second_reader(head_pipeline, YES_NO)
     head = pipeline.answer_head
     assert head is not None and not pipeline.head_closes
-    parts = {name: Calibration({YES_NO: (slope, 0.0)}, {"group": name})
-             for name, slope in (("grey", 1.0), ("grey" + AGREES, 3.0), ("grey" + DISAGREES, 0.1))}
-    pipeline.calibration = Calibration({YES_NO: (0.5, 0.0)}, {"agreement": {"answer_head_digest": head.digest}},
-                                       groups=parts)
     question, image = "Is there a nodule in the left lung?", _image()
     done = _ask(pipeline, question, image)
     assert done.closed["kind"] == YES_NO and "answerer" not in done.closed  # the decoder answered
@@ -625,3 +634,38 @@ def test_head_agreement_beside_another_encoder_is_left_out_not_an_error(tiny_pip
     settings.decoder.closed_answerer = "encoder_head"
     with pytest.raises(AnswerHeadError):
         load_answer_head(settings, tiny_pipeline.model)
+
+
+def test_head_agreement_without_its_file_or_its_fit_changes_nothing(head_pipeline, tmp_path, caplog):
+    from medvqa.closed import load_answer_head
+
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.closed_answerer = "decoder"
+    settings.decoder.head_agreement = True
+    settings.decoder.answer_head = str(tmp_path / "missing.safetensors")
+    with caplog.at_level("WARNING", logger="medvqa.closed"):
+        assert load_answer_head(settings, head_pipeline.model) is None
+    assert "head_agreement" in caplog.text
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    settings.decoder.answer_head = str(tmp_path / "broken.safetensors")
+    assert load_answer_head(settings, head_pipeline.model) is None
+    # The head loads, but the calibration is not split by its agreement: no reading, and a warning at start.
+    settings.decoder.answer_head = str(HEADS)
+    calibration = tmp_path / "calibration.json"
+    Calibration({YES_NO: (1.0, 0.0)}, {"group": None}).save(calibration)
+    settings.decoder.calibration = str(calibration)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medvqa.pipeline"):
+        pipeline = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    assert "not split by the answer head's agreement" in caplog.text
+    done = _ask(pipeline, "Is there a nodule in the left lung?")
+    assert "encoder_reading" not in done.closed
+
+
+def test_the_head_reads_presupposed_answers_too(head_pipeline):
+    from medvqa.confidence import AGREES, DISAGREES
+
+    pipeline = _second_reader(head_pipeline, PRESUPPOSED, presupposed=True)
+    done = _ask(pipeline, "Is this a CT?")
+    assert done.closed["kind"] == PRESUPPOSED and done.closed["encoder_reading"]["answer"] in ("Yes", "No")
+    assert done.closed["calibration_group"] in ("grey" + AGREES, "grey" + DISAGREES)

@@ -586,7 +586,7 @@ def test_agreement_labels_only_the_decoders_yes_no_answers():
         ["yes", "no", "left"]
 
 
-def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp_path):
+def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     script = load_script("calibrate_closed")
@@ -596,10 +596,16 @@ def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp
     n = len(questions)
     rng = np.random.default_rng(8)
     margin = rng.uniform(0, 4, n)
+    choice = np.asarray(["Yes" if i % 2 else "No" for i in range(n)])
+    # The head reads 80 % of them as the decoder answered (a part of 200 or more), and those are right more often.
+    agrees = rng.uniform(0, 1, n) < 0.8
+    monkeypatch.setattr(script, "head_margins", lambda settings, asked: np.where(
+        agrees == (choice == "Yes"), 1.0, -1.0))
+    correct = np.where(agrees, rng.uniform(0, 1, n) < 0.55 + 0.1 * margin, rng.uniform(0, 1, n) < 0.4)
+    kind = np.asarray([YES_NO] * (n - 10) + [CHOICE] * 10)  # the last 10 name their options: not read
     scores = tmp_path / "scores.npz"
-    np.savez(scores, margin=margin, kind=np.full(n, YES_NO), correct=rng.uniform(0, 1, n) < 0.45 + 0.12 * margin,
-             image=np.asarray([str(example.image) for _, example in questions]), group=np.full(n, "grey"),
-             choice=np.asarray(["Yes" if i % 2 else "No" for i in range(n)]))
+    np.savez(scores, margin=margin, kind=kind, correct=correct, choice=choice, group=np.full(n, "grey"),
+             image=np.asarray([str(example.image) for _, example in questions]))
     out = tmp_path / "calibration.json"
     arguments = ["--data", *data, "--holdout-percent", "15", "--scores", str(scores), "--reuse", "--out", str(out)]
     with pytest.raises(SystemExit):
@@ -611,7 +617,38 @@ def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp
     assert written["agreement"]["answer_head_digest"] == AnswerHead.digest_of(
         resolve_path(load_settings("offline").decoder.answer_head))
     counts = written["agreement"]["questions"]
-    assert sum(counts.values()) == n and set(counts) <= {"grey, image encoder agrees", "grey, image encoder disagrees"}
-    fitted = {name for name in written["groups"] if name != "grey"}
-    assert fitted == {name for name, count in counts.items() if count >= script.MIN_PER_GROUP}
-    assert set(written["app_out_of_fold"]["thresholds"]) == {"grey", *fitted}
+    assert counts == {"grey": 10, "grey, image encoder agrees": int(agrees[:-10].sum()),
+                      "grey, image encoder disagrees": int((~agrees[:-10]).sum())}
+    assert counts["grey, image encoder agrees"] >= script.MIN_PER_GROUP
+    assert {"grey, image encoder agrees"} <= set(written["groups"])
+    by_data = written["agreement"]["accuracy_by_data"]["vqa-rad"]
+    assert by_data["agrees"]["n"] == counts["grey, image encoder agrees"] and by_data["not read"]["n"] == 10
+    # The questions left with their image group keep its threshold, out of fold as in the app.
+    thresholds = written["app_out_of_fold"]["thresholds"]
+    grey = written["groups"]["grey"]["threshold"]
+    assert thresholds["grey"] == (grey["min_confidence"] if grey["met"] else load_settings("offline").decoder.min_confidence)
+    assert "grey, image encoder agrees" in thresholds
+
+
+def test_the_heads_readings_come_from_the_shipped_encoder_and_head():
+    """head_margins: the head's Yes-minus-No logit, as the app's reading computes it."""
+    import torch
+
+    from medvqa.answer_head import AnswerHead
+    from medvqa.config import load_settings, resolve_path
+    from medvqa.datasets import read_image
+    from medvqa.vision import build_vision
+    from types import SimpleNamespace
+
+    script = load_script("calibrate_closed")
+    questions = script.held_out_closed(SimpleNamespace(data=["vqa-rad:train"], val=400, val_by_image=False, seed=0,
+                                                       holdout_percent=15.0))[:3]
+    settings = load_settings("offline")
+    margins = script.head_margins(settings, questions)
+    head = AnswerHead.load(resolve_path(settings.decoder.answer_head))
+    vision = build_vision(settings.vision, torch.device("cpu"), torch.float32)
+    for (_, example), margin in zip(questions, margins.tolist()):
+        with torch.inference_mode():
+            tokens = vision.encode(vision.preprocess([read_image(example.image)]))
+        scores = head.scores(tokens, example.question)
+        assert margin == pytest.approx(scores["yes"] - scores["no"], abs=1e-5)
