@@ -146,7 +146,7 @@ class ClosedQuestions:
             return None
         return head.yes_no_similarity([question])[0]
 
-    def encoder_reading(self, question: str, image: np.ndarray, digest: str) -> str | None:
+    def encoder_reading(self, question: str, image: np.ndarray, digest: str | None = None) -> str | None:
         """"yes" or "no": how the encoder's answer head reads a yes/no question the decoder answers, when
         decoder.head_agreement is on and the calibration is fitted by agreement with this head
         (Calibration.agreement); None otherwise."""
@@ -163,9 +163,10 @@ class ClosedQuestions:
         return "yes" if scores["yes"] >= scores["no"] else "no"
 
     def encoder_agrees(self, question: str, choice: str, kind: str | None, image: np.ndarray,
-                       digest: str) -> tuple[str | None, bool | None]:
+                       digest: str | None = None) -> tuple[str | None, bool | None]:
         """(the head's reading, whether it is the decoder's `choice`) for a yes/no question the decoder
-        answered (kind YES_NO or PRESUPPOSED); (None, None) for other answers or without encoder_reading."""
+        answered (kind YES_NO or PRESUPPOSED); (None, None) for other answers or without encoder_reading.
+        `digest`: image_digest(image) when the caller has it (computed only when the head reads)."""
         if kind not in (YES_NO, PRESUPPOSED) or normalise(choice) not in ("yes", "no"):
             return None, None
         reading = self.encoder_reading(question, image, digest)

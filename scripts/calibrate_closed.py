@@ -249,20 +249,12 @@ def head_margins(settings, questions: list) -> np.ndarray:
     return np.asarray(margins)
 
 
-def decoder_choices(scores: dict, questions: list) -> np.ndarray:
-    """The decoder's answer to each question, lower-cased: kept with the scores, or (scores kept before
-    that) for a yes/no question the reference when it was right and the other answer when not ("" for
-    the rest)."""
-    if "choice" in scores:
-        return np.asarray([str(choice).strip().lower() for choice in scores["choice"].tolist()])
-    from medvqa.answers import normalise
-
-    choices = []
-    for (_, example), right in zip(questions, scores["correct"].tolist()):
-        reference = normalise(example.answer)
-        other = {"yes": "no", "no": "yes"}.get(reference, "")
-        choices.append(reference if right and other else other)
-    return np.asarray(choices)
+def decoder_choices(scores: dict, path) -> np.ndarray:
+    """The decoder's answer to each question, lower-cased, as kept with the scores (score_held_out)."""
+    if "choice" not in scores:
+        raise SystemExit(f"{path} was scored before the decoder's answers were kept with the scores: score again "
+                         "(without --reuse)")
+    return np.asarray([str(choice).strip().lower() for choice in scores["choice"].tolist()])
 
 
 def agreement_groups(groups: np.ndarray, kinds: np.ndarray, choices: np.ndarray, margins: np.ndarray) -> np.ndarray:
@@ -300,19 +292,20 @@ def agreement_by_data(scores: dict, labels: np.ndarray) -> dict:
 def fit_agreement(scores: dict, labels: np.ndarray, configured: float, target: float) -> dict:
     """fit_groups for the agreeing and disagreeing part of each image group (MIN_PER_GROUP questions or
     more each); the questions left with their image group are not fitted again."""
-    fitted = fit_groups({**scores, "group": labels}, configured, target)
-    return {name: value for name, value in fitted.items() if name.endswith((AGREES, DISAGREES))}
+    read = np.char.endswith(labels.astype(str), AGREES) | np.char.endswith(labels.astype(str), DISAGREES)
+    return fit_groups({key: value[read] for key, value in {**scores, "group": labels}.items()}, configured, target)
 
 
 def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict,
-                    worded: np.ndarray | None = None, worded_fitted: dict | None = None,
+                    parts: np.ndarray | None = None, parts_fitted: dict | None = None,
                     configured: float | None = None) -> dict:
     """What the app does out of fold: each question judged by its group's confidence and threshold
-    (the pooled ones for a group without a fit), and, where the file is fitted by wording, by its part's
-    (`worded`: worded_groups' labels, `worded_fitted`: fit_worded's). A group or part whose threshold
-    reached no target gets `configured` (decoder.min_confidence), as in the app."""
+    (the pooled ones for a group without a fit), and, where the file splits the groups into parts (by
+    wording or by the head's agreement), by its part's (`parts`: worded_groups' or agreement_groups'
+    labels, `parts_fitted`: fit_worded's or fit_agreement's). A group or part whose threshold reached no
+    target gets `configured` (decoder.min_confidence), as in the app."""
     confidence, bar, thresholds = held.copy(), np.full(len(held), threshold), {}
-    for labels, fits in ((scores["group"], fitted), (worded, worded_fitted or {})):
+    for labels, fits in ((scores["group"], fitted), (parts, parts_fitted or {})):
         for name, (calibration, group_held) in fits.items():
             mine = labels == name
             confidence[mine] = group_held
@@ -484,11 +477,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--head-agreement splits the decoder's answers by the head's reading; with "
                              "decoder.closed_answerer 'encoder_head' the head answers them itself")
         check_scored(questions, scores, args.scores)
-        labels = agreement_groups(scores["group"], kind, decoder_choices(scores, questions),
+        labels = agreement_groups(scores["group"], kind, decoder_choices(scores, args.scores),
                                   head_margins(settings, questions))
         agreed = fit_agreement(scores, labels, configured, args.target_accuracy)
         calibration.groups.update({name: group for name, (group, _) in agreed.items()})
-        worded, worded_fitted = labels, agreed  # app_out_of_fold judges each question by its part's fit
+        worded, worded_fitted = labels, agreed  # the parts app_out_of_fold judges each question by
         agreement = {"answer_head_digest": answer_head_digest(settings),
                      "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))},
                      "accuracy_by_data": agreement_by_data(scores, labels)}

@@ -34,7 +34,7 @@ from medvqa.confidence import HEAD
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
-from medvqa.model import BLANK_IMAGE, image_digest
+from medvqa.model import BLANK_IMAGE
 from medvqa.pipeline import Pipeline
 from medvqa.presuppose import KINDS as PRESUPPOSED_KINDS
 
@@ -223,7 +223,7 @@ def main() -> None:
             # (and of the question's wording, or of the answer head's agreement, where the file fits that).
             picture = image(example.image)
             reading, agrees = pipeline.encoder_agrees(example.question, str(r.get(main_condition) or ""),
-                                                      r.get("closed_kind"), picture, image_digest(picture))
+                                                      r.get("closed_kind"), picture)
             if reading is not None:
                 r["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees}  # as Done.closed has it
             calibration = (pipeline.calibration.for_image(picture, pipeline.wording_similarity(example.question), agrees)

@@ -652,7 +652,7 @@ def test_head_agreement_without_its_file_or_its_fit_changes_nothing(head_pipelin
     # The head loads, but the calibration is not split by its agreement: no reading, and a warning at start.
     settings.decoder.answer_head = str(HEADS)
     calibration = tmp_path / "calibration.json"
-    Calibration({YES_NO: (1.0, 0.0)}, {"group": None}).save(calibration)
+    Calibration({YES_NO: (1.0, 0.0)}).save(calibration)
     settings.decoder.calibration = str(calibration)
     caplog.clear()
     with caplog.at_level("WARNING", logger="medvqa.pipeline"):

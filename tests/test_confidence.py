@@ -577,13 +577,9 @@ def test_agreement_labels_only_the_decoders_yes_no_answers():
     margins = np.asarray([1.5, 0.4, 2.0, -0.3, 3.0])
     assert script.agreement_groups(groups, kinds, choices, margins).tolist() == [
         "grey, image encoder agrees", "grey, image encoder disagrees", "grey", "colour, image encoder agrees", "grey"]
-    # Scores kept before the decoder's choice was: a yes/no choice from the reference and whether it was right.
-    from types import SimpleNamespace
-    questions = [("slake", SimpleNamespace(answer="Yes")), ("slake", SimpleNamespace(answer="no")),
-                 ("slake", SimpleNamespace(answer="Left"))]
-    assert script.decoder_choices({"correct": np.asarray([False, True, True])}, questions).tolist() == ["no", "no", ""]
-    assert script.decoder_choices({"choice": np.asarray(["Yes", "No", "Left"])}, questions).tolist() == \
-        ["yes", "no", "left"]
+    assert script.decoder_choices({"choice": np.asarray(["Yes", "No", "Left"])}, "s.npz").tolist() == ["yes", "no", "left"]
+    with pytest.raises(SystemExit, match="score again"):  # scores kept before the decoder's answers were
+        script.decoder_choices({"correct": np.asarray([False, True, True])}, "s.npz")
 
 
 def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp_path, monkeypatch):
