@@ -146,10 +146,14 @@ class ClosedQuestions:
             return None
         return head.yes_no_similarity([question])[0]
 
-    def encoder_reading(self, question: str, image: np.ndarray, digest: str | None = None) -> str | None:
-        """"yes" or "no": how the encoder's answer head reads a yes/no question the decoder answers, when
-        decoder.head_agreement is on and the calibration is fitted by agreement with this head
-        (Calibration.agreement); None otherwise."""
+    def encoder_reading(self, question: str, image: np.ndarray,
+                        digest: str | None = None) -> tuple[str, float | None] | None:
+        """("yes" or "no", its strength): how the encoder's answer head reads a yes/no question the decoder
+        answers, when decoder.head_agreement is on and the calibration is fitted by agreement with this head
+        (Calibration.agreement); None otherwise. The strength is what the calibration's parts weigh
+        (Calibration.strength_wording): the head's |Yes − No| logit for a question worded like its training
+        yes/no questions, 0 for another; None for a calibration that does not weigh it (and the reading is
+        None when the head does not hold the questions the calibration measured the wording against)."""
         fitted, head = self.calibration.agreement, self.answer_head
         if fitted is None or head is None or not self.settings.decoder.head_agreement:
             return None
@@ -159,18 +163,36 @@ class ClosedQuestions:
                             "decoder.answer_head %s…: the image groups' fits are used", fitted[:12], head.digest[:12])
                 self._agreement_warned = True
             return None
+        weighs = self.calibration.strength_wording
+        if weighs is not None and weighs[0] > 0:
+            have = head.yes_no_digest if head.yes_no_questions else ""
+            if not have or (weighs[1] and weighs[1] != have):
+                if not getattr(self, "_strength_warned", False):
+                    log.warning("the closed-answer calibration weighs the answer head's reading by likeness to the "
+                                "yes/no questions %s…, which decoder.head_questions %s: the image groups' fits are used",
+                                weighs[1][:12] or "?",
+                                f"does not hold (it holds {have[:12]}…)" if have else "does not provide")
+                    self._strength_warned = True
+                return None
         scores = head.scores(self.model.vision_tokens(image, digest), question)
-        return "yes" if scores["yes"] >= scores["no"] else "no"
+        answer = "yes" if scores["yes"] >= scores["no"] else "no"
+        if weighs is None:
+            return answer, None
+        worded = weighs[0] <= 0 or head.yes_no_similarity([question])[0] >= weighs[0]
+        return answer, (abs(float(scores["yes"]) - float(scores["no"])) if worded else 0.0)
 
     def encoder_agrees(self, question: str, choice: str, kind: str | None, image: np.ndarray,
-                       digest: str | None = None) -> tuple[str | None, bool | None]:
-        """(the head's reading, whether it is the decoder's `choice`) for a yes/no question the decoder
-        answered (kind YES_NO or PRESUPPOSED); (None, None) for other answers or without encoder_reading.
-        `digest`: image_digest(image) when the caller has it (computed only when the head reads)."""
+                       digest: str | None = None) -> tuple[str | None, bool | None, float | None]:
+        """(the head's reading, whether it is the decoder's `choice`, its strength as encoder_reading gives it)
+        for a yes/no question the decoder answered (kind YES_NO or PRESUPPOSED); (None, None, None) for other
+        answers or without encoder_reading. `digest`: image_digest(image) when the caller has it (computed only
+        when the head reads)."""
         if kind not in (YES_NO, PRESUPPOSED) or normalise(choice) not in ("yes", "no"):
-            return None, None
-        reading = self.encoder_reading(question, image, digest)
-        return reading, (None if reading is None else reading == normalise(choice))
+            return None, None, None
+        read = self.encoder_reading(question, image, digest)
+        if read is None:
+            return None, None, None
+        return read[0], read[0] == normalise(choice), read[1]
 
     def _closed_verdict(self, conversation, scores: dict[str, float], route: str | None,
                         presupposed: Presupposition | None, question: str = ""):
@@ -179,13 +201,13 @@ class ClosedQuestions:
         where the file fits that), and whether the app abstains."""
         decoder = self.settings.decoder
         similarity = self.wording_similarity(question) if question else None
-        reading, agrees = (self.encoder_agrees(question, ranked(scores)[0], route or question_kind(scores),
-                                               conversation.image, conversation.digest)
-                           if question and route != HEAD else (None, None))
+        reading, agrees, strength = (self.encoder_agrees(question, ranked(scores)[0], route or question_kind(scores),
+                                                         conversation.image, conversation.digest)
+                                     if question and route != HEAD else (None, None, None))
         calibration = (self.calibration.for_group(conversation.image_group, similarity, agrees)  # the group's fit
                        if self.calibration.groups else self.calibration)
         threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-        verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route)
+        verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route, strength=strength)
         closed = {"options": scores, **verdict.record()}
         if route == HEAD:
             closed["answerer"] = "encoder_head"
@@ -194,7 +216,8 @@ class ClosedQuestions:
         if similarity is not None:
             closed["wording_similarity"] = round(similarity, 4)
         if reading is not None:
-            closed["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees}
+            closed["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees,
+                                         **({} if strength is None else {"strength": round(strength, 4)})}
         if verdict.confidence is None and self.calibration.unused:
             closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
         if presupposed:

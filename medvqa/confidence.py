@@ -69,6 +69,13 @@ WORDED_OTHERWISE = ", worded otherwise"
 # encoder's medical stage, is a second reader whose disagreement marks the answers not to trust.
 AGREES = ", image encoder agrees"
 DISAGREES = ", image encoder disagrees"
+# A part's fits may also weigh how strongly the head reads the question (its |Yes − No| logit, the reading's
+# `strength`): P(right) = sigmoid(a * margin + b + c * strength), "c" in the file (calibrate_closed.py
+# --head-agreement; --no-head-strength fits the margin alone). The decoder's answer is more often right
+# where the head agrees firmly, and less often where it disagrees firmly.
+# The threshold of a part whose answers are all "Uncertain" (a part fitted by agreement where no threshold
+# reached the target accuracy out of fold: calibrate_closed.py marks it `abstain`).
+NEVER = math.inf
 # Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
 # On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
 # 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
@@ -116,8 +123,9 @@ class Verdict:
 
 @dataclass
 class Calibration:
-    """Per kind of question, P(right | margin) = sigmoid(a * margin + b)."""
-    fits: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per kind of question, P(right | margin) = sigmoid(a * margin + b), or, for a part fitted with the
+    answer head's strength (see AGREES), sigmoid(a * margin + b + c * strength)."""
+    fits: dict[str, tuple[float, ...]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)  # where and how it was fitted (written by the script)
     # Why the configured file is not in force ("" when it is, or when none was configured): the
     # pipeline replaces a file fitted for another model by an empty calibration carrying the reason.
@@ -136,7 +144,8 @@ class Calibration:
 
     @classmethod
     def _from_dict(cls, data: dict, group: str | None = None) -> "Calibration":
-        fits = {kind: (float(fit["a"]), float(fit["b"])) for kind, fit in data["fits"].items()}
+        fits = {kind: (float(fit["a"]), float(fit["b"]), *([float(fit["c"])] if "c" in fit else []))
+                for kind, fit in data["fits"].items()}
         meta = {k: v for k, v in data.items() if k not in ("fits", "groups")}
         if group is not None:
             meta["group"] = group
@@ -144,7 +153,7 @@ class Calibration:
         return cls(fits, meta, groups=groups)
 
     def _to_dict(self) -> dict:
-        body = {"fits": {kind: {"a": a, "b": b} for kind, (a, b) in self.fits.items()},
+        body = {"fits": {kind: dict(zip("abc", fit)) for kind, fit in self.fits.items()},
                 **{k: v for k, v in self.meta.items() if k != "group"}}
         if self.groups:
             body["groups"] = {name: group._to_dict() for name, group in self.groups.items()}
@@ -192,6 +201,16 @@ class Calibration:
         return None if value is None else str(value)
 
     @property
+    def strength_wording(self) -> tuple[float, str] | None:
+        """How the file's agreement parts weigh the answer head's strength: (the similarity to a training
+        yes/no question at or above which a reading's strength counts, 0 for every question; the SHA-256
+        of those questions, "" with 0); None when they fit the decoder's margin alone."""
+        value = (self.meta.get("agreement") or {}).get("strength")
+        if not value:
+            return None
+        return float(value.get("min_similarity") or 0.0), str(value.get("yes_no_questions_sha256") or "")
+
+    @property
     def group(self) -> str | None:
         """The image group this calibration was fitted for; None for the pooled one."""
         return self.meta.get("group")
@@ -225,11 +244,19 @@ class Calibration:
                     f"{float(yes_bias):g}; refit it with scripts/calibrate_closed.py")
         return ""
 
-    def confidence(self, margin: float, kind: str) -> float | None:
+    def confidence(self, margin: float, kind: str, strength: float | None = None) -> float | None:
+        """P(right) for an answer of `kind` with `margin`; with a fit that weighs the answer head's reading,
+        `strength` is how firmly the head read the question (|Yes − No| logit) and None gives None (the
+        fit does not describe an answer without it). None for a kind the file does not fit."""
         fit = self.fits.get(kind)
-        if fit is None:
+        if fit is None or (len(fit) > 2 and strength is None):
             return None
-        return _sigmoid(fit[0] * margin + fit[1])
+        return _sigmoid(fit[0] * margin + fit[1] + (fit[2] * strength if len(fit) > 2 else 0.0))
+
+    @property
+    def weighs_strength(self) -> bool:
+        """Whether a fit of this calibration weighs the answer head's strength (its "c")."""
+        return any(len(fit) > 2 for fit in self.fits.values())
 
     def held_out(self, confidence: float | None) -> dict | None:
         """The out-of-fold reliability bin `confidence` falls in, as {"bin", "accuracy", "n"}; None
@@ -245,18 +272,23 @@ class Calibration:
 
     def min_confidence(self, configured: float, from_calibration: bool = True) -> float:
         """The confidence below which the app abstains: the threshold the script chose out of fold,
-        when `from_calibration` and the file holds one that met its target accuracy; else `configured`
-        (decoder.min_confidence)."""
+        when `from_calibration` and the file holds one that met its target accuracy; NEVER for a part
+        the file marks as answered by no threshold (`abstain`: the head's disagreeing answers, where no
+        confidence reached the target); else `configured` (decoder.min_confidence)."""
         chosen = self.meta.get("threshold", {})
         if from_calibration and chosen.get("met") and chosen.get("min_confidence") is not None:
             return float(chosen["min_confidence"])
+        if from_calibration and chosen.get("abstain"):
+            return NEVER
         return configured
 
     def judge(self, scores: dict[str, float], min_confidence: float, abstain: bool = True,
-              kind: str | None = None) -> Verdict:
+              kind: str | None = None, strength: float | None = None) -> Verdict:
+        """The answer to `scores` (the best option), its confidence (`strength`: as for confidence) and
+        whether the app abstains below `min_confidence`."""
         choice, margin = ranked(scores)
         kind = kind or question_kind(scores)
-        confidence = self.confidence(margin, kind)
+        confidence = self.confidence(margin, kind, strength)
         abstained = bool(abstain and confidence is not None and confidence < min_confidence)
         return Verdict(choice, margin, kind, confidence, abstained, self.held_out(confidence))
 
@@ -287,25 +319,27 @@ def calibration_for(path: str, projector_sha256: str | None, yes_bias: float,
     return calibration
 
 
-def fit_platt(margins, correct, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, float]:
-    """Logistic regression of `correct` (0/1) on `margin` by Newton's method, with a small ridge on
-    the slope so that a margin that predicts nothing fits a slope near 0. Returns (a, b)."""
+def fit_platt(margins, correct, strength=None, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, ...]:
+    """Logistic regression of `correct` (0/1) on `margin` (and on the answer head's `strength`, when
+    given) by Newton's method, with a small ridge on the slopes so that a feature that predicts nothing
+    fits a slope near 0. Returns (a, b), or (a, b, c) with `strength`."""
     x = np.asarray(margins, dtype=np.float64)
     y = np.asarray(correct, dtype=np.float64)
     if len(x) == 0:
         raise ValueError("no questions to fit a calibration on")
-    design = np.stack([x, np.ones_like(x)], axis=1)
-    weights = np.zeros(2)
-    penalty = np.diag([ridge * len(x), 0.0])
+    columns = [x, np.ones_like(x)] + ([] if strength is None else [np.asarray(strength, dtype=np.float64)])
+    design = np.stack(columns, axis=1)
+    weights = np.zeros(len(columns))
+    penalty = np.diag([ridge * len(x), 0.0] + [ridge * len(x)] * (len(columns) - 2))
     for _ in range(iterations):
         p = 1.0 / (1.0 + np.exp(-(design @ weights)))
         gradient = design.T @ (p - y) + penalty @ weights
-        hessian = design.T @ (design * (p * (1 - p))[:, None]) + penalty + 1e-9 * np.eye(2)
+        hessian = design.T @ (design * (p * (1 - p))[:, None]) + penalty + 1e-9 * np.eye(len(columns))
         step = np.linalg.solve(hessian, gradient)
         weights -= step
         if np.abs(step).max() < 1e-10:
             break
-    return float(weights[0]), float(weights[1])
+    return tuple(float(w) for w in weights)
 
 
 def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:

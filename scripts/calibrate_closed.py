@@ -38,9 +38,15 @@ right more often at the same margin than VQA-RAD's freely worded ones, which set
 With --head-agreement, each image group's yes/no questions the decoder answers (Yes against No, or through the
 presupposed open question) are split by whether the encoder's answer head (decoder.answer_head) reads them the
 same way: "grey, image encoder agrees" and "grey, image encoder disagrees" each get their own fits, table and
-threshold when they number MIN_PER_GROUP or more (a part reaching no target gets decoder.min_confidence); the
-questions naming their options keep the image group's. The decoder still answers every question; the app uses
-these parts with decoder.head_agreement on. The file's `agreement` names the head (heads_digest).
+threshold when they number MIN_PER_GROUP or more (the app says "Uncertain" to every answer of a part reaching
+no target, where decoder.min_confidence would answer some below it); the
+questions naming their options keep the image group's. Each part's fits also weigh how firmly the head reads
+the question (P(right) = sigmoid(a * margin + b + c * strength); the strength is the head's |Yes − No| logit for
+a question at least --strength-similarity like a training yes/no question, as --wording-similarity measures it,
+and 0 for the rest, whose wording the head was not trained on); --no-head-strength fits the margin alone. The
+decoder still answers every question; the app uses these parts with decoder.head_agreement on. The file's
+`agreement` names the head (heads_digest) and how it weighs the strength (`strength`: the similarity, and the
+yes/no questions by SHA-256; null for the margin alone).
 
 With decoder.closed_answerer "encoder_head" (MEDVQA_DECODER__CLOSED_ANSWERER=encoder_head) the yes/no
 questions of the kinds in decoder.head_answers (organ presence and those naming no attribute, by default)
@@ -61,7 +67,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import (AGREES, DISAGREES, HEAD, KINDS, PRESUPPOSED, WORDED, WORDED_OTHERWISE, YES_NO,
+from medvqa.confidence import (AGREES, DISAGREES, HEAD, KINDS, NEVER, PRESUPPOSED, WORDED, WORDED_OTHERWISE, YES_NO,
                                Calibration, fit_platt, image_group, reliability)
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
@@ -141,14 +147,17 @@ def groups_by_data(scores: dict) -> dict:
     return table
 
 
-def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray) -> Calibration:
-    pooled = fit_platt(margin, correct)
+def fit(margin: np.ndarray, kind: np.ndarray, correct: np.ndarray, strength: np.ndarray | None = None) -> Calibration:
+    """Per kind, P(right | margin) (and the answer head's `strength`, when given); a kind with fewer than
+    MIN_PER_KIND questions gets the fit of all of them."""
+    pooled = fit_platt(margin, correct, strength)
     fits = {}
     for name in KINDS:
         mine = kind == name
         if name == HEAD and not mine.any():  # the decoder answered every yes/no question
             continue
-        fits[name] = fit_platt(margin[mine], correct[mine]) if mine.sum() >= MIN_PER_KIND else pooled
+        fits[name] = (fit_platt(margin[mine], correct[mine], None if strength is None else strength[mine])
+                      if mine.sum() >= MIN_PER_KIND else pooled)
     return Calibration(fits)
 
 
@@ -158,17 +167,21 @@ def kind_counts(kinds: np.ndarray) -> dict[str, int]:
 
 
 def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
-    """Each question's confidence from a fit on the other folds (folds drawn by image)."""
+    """Each question's confidence from a fit on the other folds (folds drawn by image); with the scores'
+    "strength" (the answer head's), fitted on it too."""
     images = sorted(set(scores["image"].tolist()))
     random.Random(seed).shuffle(images)
     fold_of = {image: i % folds for i, image in enumerate(images)}
     which = np.asarray([fold_of[image] for image in scores["image"]])
+    strength = scores.get("strength")
     confidence = np.zeros(len(which))
     for k in range(folds):
         rest = which != k
-        calibration = fit(scores["margin"][rest], scores["kind"][rest], scores["correct"][rest])
+        calibration = fit(scores["margin"][rest], scores["kind"][rest], scores["correct"][rest],
+                          None if strength is None else strength[rest])
         for i in np.flatnonzero(~rest):
-            confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]))
+            confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]),
+                                                   None if strength is None else float(strength[i]))
     return confidence
 
 
@@ -193,7 +206,7 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
             continue
         part = {key: value[mine] for key, value in scores.items()}
         correct = part["correct"]
-        calibration = fit(part["margin"], part["kind"], correct)
+        calibration = fit(part["margin"], part["kind"], correct, part.get("strength"))
         held = out_of_fold(part)
         calibration.meta = {
             "questions": int(mine.sum()), "images": distinct_images(part["image"].tolist()),
@@ -289,11 +302,21 @@ def agreement_by_data(scores: dict, labels: np.ndarray) -> dict:
     return table
 
 
-def fit_agreement(scores: dict, labels: np.ndarray, configured: float, target: float) -> dict:
+def fit_agreement(scores: dict, labels: np.ndarray, configured: float, target: float,
+                  margins: np.ndarray | None = None) -> dict:
     """fit_groups for the agreeing and disagreeing part of each image group (MIN_PER_GROUP questions or
-    more each); the questions left with their image group are not fitted again."""
+    more each); the questions left with their image group are not fitted again. With the head's `margins`
+    (head_margins), each part's fits also weigh the reading's strength (|margin|). A part whose threshold
+    reaches no target is marked `abstain` (Calibration.min_confidence: NEVER)."""
     read = np.char.endswith(labels.astype(str), AGREES) | np.char.endswith(labels.astype(str), DISAGREES)
-    return fit_groups({key: value[read] for key, value in {**scores, "group": labels}.items()}, configured, target)
+    parts = {**scores, "group": labels, **({} if margins is None else {"strength": np.abs(margins)})}
+    fitted = fit_groups({key: value[read] for key, value in parts.items()}, configured, target)
+    for calibration, _ in fitted.values():
+        # No confidence of the part reached the target out of fold: the app says "Uncertain" to all of them
+        # (decoder.min_confidence would answer some at an accuracy measured below the target).
+        if not calibration.meta["threshold"]["met"]:
+            calibration.meta["threshold"]["abstain"] = True
+    return fitted
 
 
 def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: dict,
@@ -310,8 +333,9 @@ def app_out_of_fold(scores: dict, held: np.ndarray, threshold: float, fitted: di
             mine = labels == name
             confidence[mine] = group_held
             chosen = calibration.meta["threshold"]
-            bar[mine] = chosen["min_confidence"] if chosen["met"] else (threshold if configured is None else configured)
-            thresholds[name] = float(bar[mine][0])
+            bar[mine] = (chosen["min_confidence"] if chosen["met"] else NEVER if chosen.get("abstain")
+                         else threshold if configured is None else configured)
+            thresholds[name] = None if bar[mine][0] == NEVER else float(bar[mine][0])
     kept, correct = confidence >= bar, scores["correct"]
     result = {"answered": round(float(kept.mean()), 4),
               "accuracy_answered": round(float(correct[kept].mean()), 4) if kept.any() else None,
@@ -388,6 +412,18 @@ def questions_head(settings):
     return head
 
 
+def training_similarity(settings, args, questions: list) -> tuple[np.ndarray, str]:
+    """(each question's similarity to the nearest training yes/no question of decoder.head_questions, those
+    questions' digest); refused when the file was built with another hold-out than these scores."""
+    with_questions = questions_head(settings)
+    built_with = with_questions.questions_meta.get("holdout_percent")
+    if built_with is not None and float(built_with) != float(args.holdout_percent or 0):
+        raise SystemExit(f"{settings.decoder.head_questions} was built with --holdout-percent {built_with}, these "
+                         f"scores with {args.holdout_percent}: its yes/no questions may hold the held-out ones")
+    similarity = np.asarray(with_questions.yes_no_similarity([example.question for _, example in questions]))
+    return similarity, with_questions.yes_no_digest
+
+
 def answer_head_digest(settings) -> str:
     from medvqa.answer_head import AnswerHead
     from medvqa.config import resolve_path
@@ -420,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-agreement", action="store_true",
                         help="also fit, within each image group, the decoder's yes/no answers the encoder's answer "
                              "head agrees with and those it does not apart (used with decoder.head_agreement)")
+    parser.add_argument("--no-head-strength", dest="head_strength", action="store_false",
+                        help="with --head-agreement, fit each part on the decoder's margin alone, not also on how "
+                             "firmly the head reads the question")
+    parser.add_argument("--strength-similarity", type=float, default=0.9,
+                        help="with --head-agreement: the head's strength counts for questions at least this similar to "
+                             "a training yes/no question (0: every question); the rest count as read with strength 0")
     parser.add_argument("--wording-similarity", type=float, default=None,
                         help="also fit, within each image group, the questions at least this similar to a training "
                              "yes/no question apart (the yes/no questions of decoder.head_questions)")
@@ -460,16 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     worded, worded_fitted, wording = None, {}, None
     if args.wording_similarity is not None:
         check_scored(questions, scores, args.scores)
-        with_questions = questions_head(settings)
-        built_with = with_questions.questions_meta.get("holdout_percent")
-        if built_with is not None and float(built_with) != float(args.holdout_percent or 0):
-            raise SystemExit(f"{settings.decoder.head_questions} was built with --holdout-percent {built_with}, these "
-                             f"scores with {args.holdout_percent}: its yes/no questions may hold the held-out ones")
-        similarity = np.asarray(with_questions.yes_no_similarity([example.question for _, example in questions]))
+        similarity, yes_no_digest = training_similarity(settings, args, questions)
         worded = worded_groups(scores["group"], similarity, args.wording_similarity)
         worded_fitted = fit_worded(scores, worded, configured, args.target_accuracy)
         calibration.groups.update({name: group for name, (group, _) in worded_fitted.items()})
-        wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": with_questions.yes_no_digest,
+        wording = {"min_similarity": args.wording_similarity, "yes_no_questions_sha256": yes_no_digest,
                    "questions": {name: int((worded == name).sum()) for name in sorted(set(worded.tolist()))}}
     agreement = None
     if args.head_agreement:
@@ -477,12 +514,19 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--head-agreement splits the decoder's answers by the head's reading; with "
                              "decoder.closed_answerer 'encoder_head' the head answers them itself")
         check_scored(questions, scores, args.scores)
-        labels = agreement_groups(scores["group"], kind, decoder_choices(scores, args.scores),
-                                  head_margins(settings, questions))
-        agreed = fit_agreement(scores, labels, configured, args.target_accuracy)
+        margins = head_margins(settings, questions)
+        labels = agreement_groups(scores["group"], kind, decoder_choices(scores, args.scores), margins)
+        strength, weighed = None, None
+        if args.head_strength and args.strength_similarity > 0:
+            similarity, yes_no_digest = training_similarity(settings, args, questions)
+            strength = np.where(similarity >= args.strength_similarity, margins, 0.0)
+            weighed = {"min_similarity": args.strength_similarity, "yes_no_questions_sha256": yes_no_digest}
+        elif args.head_strength:
+            strength, weighed = margins, {"min_similarity": 0.0}
+        agreed = fit_agreement(scores, labels, configured, args.target_accuracy, strength)
         calibration.groups.update({name: group for name, (group, _) in agreed.items()})
         worded, worded_fitted = labels, agreed  # the parts app_out_of_fold judges each question by
-        agreement = {"answer_head_digest": answer_head_digest(settings),
+        agreement = {"answer_head_digest": answer_head_digest(settings), "strength": weighed,
                      "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))},
                      "accuracy_by_data": agreement_by_data(scores, labels)}
     projector = Path(settings.projector.weights)
@@ -521,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     by_kind = accuracy_by_kind(args, scores)
     summary = {key: value for key, value in calibration.meta["out_of_fold"].items() if key != "risk_coverage"}
     print(json.dumps({"fits": {k: {"a": round(a, 4), "b": round(b, 4)} for k, (a, b) in calibration.fits.items()},
+                      "part_fits": {name: {k: dict(zip("abc", (round(v, 4) for v in fit)))
+                                           for k, fit in group.fits.items()}
+                                    for name, group in calibration.groups.items() if group.weighs_strength},
                       "out_of_fold": summary, "threshold": calibration.meta["threshold"],
                       "groups": {name: {"questions": group.meta["questions"], "threshold": group.meta["threshold"]}
                                  for name, group in calibration.groups.items()},

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,
                             open_recall)
-from medvqa.confidence import HEAD
+from medvqa.confidence import HEAD, NEVER
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
@@ -222,13 +222,15 @@ def main() -> None:
             # As the app judges it: the fit and threshold of the image's group when the file has groups
             # (and of the question's wording, or of the answer head's agreement, where the file fits that).
             picture = image(example.image)
-            reading, agrees = pipeline.encoder_agrees(example.question, str(r.get(main_condition) or ""),
-                                                      r.get("closed_kind"), picture)
-            if reading is not None:
-                r["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees}  # as Done.closed has it
+            reading, agrees, strength = pipeline.encoder_agrees(example.question, str(r.get(main_condition) or ""),
+                                                                r.get("closed_kind"), picture)
+            if reading is not None:  # as Done.closed has it
+                r["encoder_reading"] = {"answer": reading.capitalize(), "agrees": agrees,
+                                        **({} if strength is None else {"strength": round(strength, 4)})}
             calibration = (pipeline.calibration.for_image(picture, pipeline.wording_similarity(example.question), agrees)
                            if pipeline.calibration.groups else pipeline.calibration)
-            r["confidence"] = None if r.get("margin") is None else calibration.confidence(r["margin"], r["closed_kind"])
+            r["confidence"] = (None if r.get("margin") is None
+                               else calibration.confidence(r["margin"], r["closed_kind"], strength))
             r["threshold"] = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
             r["calibration_group"] = calibration.group or "all"
     free = bool(closed_rows) and all("retrieval_free" in r for r in closed_rows)  # only run with retrieval
@@ -259,7 +261,8 @@ def main() -> None:
     if closed_rows and any(r["confidence"] is not None for r in closed_rows):
         # What the app does with these answers: below the calibrated threshold it says "Uncertain"
         # (an answer without a confidence, a closed question answered in free text, is given).
-        thresholds = {r["calibration_group"]: r["threshold"] for r in closed_rows}
+        # (a part answering nothing, confidence.NEVER, is None: JSON has no infinity)
+        thresholds = {r["calibration_group"]: None if r["threshold"] == NEVER else r["threshold"] for r in closed_rows}
         kept = [r for r in closed_rows if r["confidence"] is None or r["confidence"] >= r["threshold"]]
         summary["abstention"] = {
             # One number, or one per image group met when the calibration fits groups.
@@ -377,7 +380,8 @@ def _print_table(summary: dict) -> None:
         held = summary["abstention"]
         right = "" if held["accuracy_answered"] is None else f", {pct(held['accuracy_answered'])} % of them right"
         at = (f"the calibrated threshold {held['threshold']:g}" if not isinstance(held["threshold"], dict) else
-              "the calibrated thresholds " + ", ".join(f"{g} {t:g}" for g, t in held["threshold"].items()))
+              "the calibrated thresholds " + ", ".join(f"{g} {'none (all Uncertain)' if t is None else f'{t:g}'}"
+                                                       for g, t in held["threshold"].items()))
         print(f"\nat {at} the app answers {pct(held['answered'])} % of the "
               f"closed questions{right}; it says \"Uncertain\" to the rest")
     if "abstention_not_measured" in summary:

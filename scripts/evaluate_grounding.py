@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -223,13 +224,15 @@ def _write(summary: dict, path: str | None) -> None:
 
 def _thresholds(calibration, decoder):
     """The app's abstention threshold (None without a calibration); {group: threshold} for a file
-    fitted per image group (medvqa/confidence.py)."""
+    fitted per image group (medvqa/confidence.py; None for a part answering nothing, confidence.NEVER)."""
     if not calibration.fits:
         return None
     pooled = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
     if calibration.groups:  # images of a group the file does not fit get the pooled threshold
-        return {**{name: group.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-                   for name, group in sorted(calibration.groups.items())}, "other images": pooled}
+        chosen = {name: group.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+                  for name, group in sorted(calibration.groups.items())}
+        return {**{name: None if value == math.inf else value for name, value in chosen.items()},
+                "other images": pooled}
     return pooled
 
 

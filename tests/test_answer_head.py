@@ -236,6 +236,10 @@ def test_the_shipped_decoder_calibration_is_split_by_the_shipped_heads_agreement
     calibration = load_calibration(settings.decoder.calibration)
     assert calibration.agreement == AnswerHead.digest_of(HEADS)
     assert {"grey" + AGREES, "grey" + DISAGREES} <= set(calibration.groups)
+    # Its parts weigh the head's strength on questions like the yes/no questions the profile's head holds.
+    head = AnswerHead.load(HEADS).attach_questions(settings.decoder.head_questions)
+    assert calibration.strength_wording == (0.9, head.yes_no_digest)
+    assert calibration.groups["grey" + AGREES].weighs_strength and not calibration.groups["grey"].weighs_strength
     assert load_settings("offline", env={"MEDVQA_DECODER__HEAD_AGREEMENT": "false"}).decoder.head_agreement is False
 
 
@@ -606,6 +610,52 @@ def test_the_head_as_a_second_reader_splits_the_decoders_confidence_by_its_agree
     pipeline.settings.decoder.head_agreement = False
     off = _ask(pipeline, question, image)
     assert "encoder_reading" not in off.closed and off.closed["calibration_group"] == "grey"
+
+
+def test_a_part_weighing_the_heads_strength_takes_it_for_questions_worded_like_training(head_pipeline, caplog):
+    """A calibration whose parts weigh the head's strength (calibrate_closed.py --head-agreement): the head's
+    |Yes − No| logit for a question like its training yes/no questions, 0 for another, in the confidence."""
+    import math
+
+    from medvqa.confidence import AGREES, DISAGREES
+
+    settings = copy.deepcopy(head_pipeline.settings)
+    settings.decoder.closed_answerer = "decoder"
+    settings.decoder.head_agreement = True
+    settings.decoder.head_questions = load_settings("offline").decoder.head_questions
+    settings.decoder.presupposed_closed = False  # both questions answered Yes against No
+    pipeline = Pipeline(settings, head_pipeline.engine, head_pipeline.model)
+    head = pipeline.answer_head
+    assert head.yes_no_questions
+    parts = {"grey": Calibration({YES_NO: (1.0, 0.0)}, {"group": "grey"}),
+             **{"grey" + suffix: Calibration({YES_NO: (1.0, 0.0, c)}, {"group": "grey" + suffix})
+                for suffix, c in ((AGREES, 0.5), (DISAGREES, -0.5))}}
+    weighs = {"min_similarity": 0.9, "yes_no_questions_sha256": head.yes_no_digest}
+    pipeline.calibration = Calibration({YES_NO: (0.5, 0.0)}, {"agreement": {
+        "answer_head_digest": head.digest, "strength": weighs}}, groups=parts)
+    assert pipeline.calibration.strength_wording == (0.9, head.yes_no_digest)
+    image = _image(3)
+    for question in ("Does the picture contain liver?", "Would a radiologist call this opacity benign?"):
+        similarity = head.yes_no_similarity([question])[0]
+        done = _ask(pipeline, question, image)
+        scores = head.scores(head_pipeline.model.vision_tokens(image), question)
+        strength = abs(scores["yes"] - scores["no"]) if similarity >= 0.9 else 0.0
+        reading = done.closed["encoder_reading"]
+        assert reading["strength"] == pytest.approx(strength, abs=1e-3)
+        c = 0.5 if reading["agrees"] else -0.5
+        assert done.closed["confidence"] == pytest.approx(
+            1 / (1 + math.exp(-(done.closed["margin"] + c * strength))), abs=1e-3)
+    assert head.yes_no_similarity(["Does the picture contain liver?"])[0] >= 0.9  # both cases were met
+    assert head.yes_no_similarity(["Would a radiologist call this opacity benign?"])[0] < 0.9
+    # Measured against other questions than the head holds: no second reading, the image group's fit.
+    weighs["yes_no_questions_sha256"] = "0" * 64
+    with caplog.at_level("WARNING", logger="medvqa.closed"):
+        done = _ask(pipeline, "Does the picture contain liver?", image)
+    assert "encoder_reading" not in done.closed and done.closed["calibration_group"] == "grey"
+    assert "likeness to the yes/no questions" in caplog.text
+    # A file fitting the margin alone: no strength in the reading.
+    pipeline.calibration.meta["agreement"]["strength"] = None
+    assert "strength" not in _ask(pipeline, "Does the picture contain liver?", image).closed["encoder_reading"]
 
 
 def test_head_agreement_with_a_remote_engine_is_left_out_not_an_error(head_pipeline):

@@ -569,6 +569,55 @@ def test_a_calibration_split_by_the_heads_agreement_judges_each_part_by_its_fit(
         {"group": "colour" + DISAGREES, "accuracy": 0.5, "n": 30})
 
 
+def test_a_fit_may_weigh_the_heads_strength(tmp_path):
+    """fit_platt with a strength column recovers its slope; a part's (a, b, c) fit is saved and loaded, and
+    gives no confidence without the strength it was fitted on."""
+    rng = np.random.default_rng(5)
+    margin, strength = rng.uniform(-1, 3, 6000), rng.uniform(0, 5, 6000)
+    right = rng.uniform(0, 1, 6000) < 1 / (1 + np.exp(-(0.8 * margin - 1.0 + 0.6 * strength)))
+    a, b, c = fit_platt(margin, right, strength)
+    assert abs(a - 0.8) < 0.15 and abs(b + 1.0) < 0.2 and abs(c - 0.6) < 0.1
+    assert len(fit_platt(margin, right)) == 2
+    part = Calibration({YES_NO: (a, b, c)}, {"group": "grey, image encoder agrees"})
+    whole = Calibration({YES_NO: (1.0, 0.0)}, {"agreement": {"answer_head_digest": "ab" * 32,
+                                                             "strength": {"min_similarity": 0.0}}},
+                        groups={"grey, image encoder agrees": part})
+    whole.save(tmp_path / "c.json")
+    loaded = Calibration.load(tmp_path / "c.json")
+    assert loaded.groups["grey, image encoder agrees"].fits[YES_NO] == pytest.approx((a, b, c))
+    assert loaded.strength_wording == (0.0, "") and Calibration().strength_wording is None
+    assert loaded.weighs_strength is False and loaded.groups["grey, image encoder agrees"].weighs_strength
+    assert part.confidence(1.0, YES_NO) is None  # not what the fit describes
+    assert part.confidence(1.0, YES_NO, 2.0) == pytest.approx(1 / (1 + np.exp(-(a + b + 2 * c))))
+    verdict = part.judge({"yes": -0.2, "no": -1.2}, min_confidence=0.5, strength=4.0)
+    assert verdict.choice == "yes" and verdict.confidence > part.confidence(1.0, YES_NO, 0.0)
+
+
+def test_a_disagreeing_part_no_threshold_reaches_says_uncertain_to_all(monkeypatch):
+    """fit_agreement marks a part whose answers reach the target at no threshold out of fold `abstain`: the app
+    then says "Uncertain" to every answer of it, where decoder.min_confidence would answer some below it."""
+    from medvqa.confidence import DISAGREES, NEVER
+
+    script = load_script("calibrate_closed")
+    rng = np.random.default_rng(4)
+    n = 600
+    labels = np.asarray(["grey" + DISAGREES] * n)
+    strength = rng.uniform(0, 4, n)
+    scores = {"margin": rng.uniform(0, 3, n), "kind": np.full(n, YES_NO), "group": np.full(n, "grey"),
+              "image": np.asarray([f"i{i % 150}" for i in range(n)])}
+    scores["correct"] = rng.uniform(0, 1, n) < 0.75 - 0.1 * strength  # never 80 % right at any confidence
+    fitted = script.fit_agreement(scores, labels, 0.7, 0.8, strength)
+    part, held = fitted["grey" + DISAGREES]
+    assert part.meta["threshold"]["met"] is False and part.meta["threshold"]["abstain"] is True
+    assert (held >= 0.7).any()  # decoder.min_confidence would have answered some
+    assert part.min_confidence(0.7) == NEVER and part.min_confidence(0.7, from_calibration=False) == 0.7
+    assert part.judge({"yes": 0.0, "no": -9.0}, part.min_confidence(0.7), strength=0.0).abstained
+    result = script.app_out_of_fold({**scores, "group": labels}, held, 0.7, {}, labels, fitted, 0.7)
+    assert result["answered"] == 0 and result["thresholds"] == {"grey" + DISAGREES: None}
+    # An image group (not a part) reaching no target keeps decoder.min_confidence, as before.
+    assert Calibration({YES_NO: (1.0, 0.0)}, {"threshold": {"met": False, "min_confidence": None}}).min_confidence(0.7) == 0.7
+
+
 def test_agreement_labels_only_the_decoders_yes_no_answers():
     script = load_script("calibrate_closed")
     groups = np.asarray(["grey", "grey", "grey", "colour", "grey"])
@@ -606,8 +655,17 @@ def test_a_calibration_fitted_by_agreement_names_the_head_and_fits_its_parts(tmp
     arguments = ["--data", *data, "--holdout-percent", "15", "--scores", str(scores), "--reuse", "--out", str(out)]
     with pytest.raises(SystemExit):
         script.main([*arguments, "--head-agreement", "--wording-similarity", "0.9"])
+    assert script.main([*arguments, "--head-agreement", "--no-head-strength"]) == 0
+    plain = json.loads(out.read_text())
+    assert plain["agreement"]["strength"] is None
+    assert all("c" not in fit for part in plain["groups"].values() for fit in part["fits"].values())
     assert script.main([*arguments, "--head-agreement"]) == 0
     written = json.loads(out.read_text())
+    # By default each part also weighs the head's strength on questions worded like its training yes/no ones.
+    assert written["agreement"]["strength"]["min_similarity"] == 0.9
+    assert written["agreement"]["strength"]["yes_no_questions_sha256"]
+    assert all("c" in fit for fit in written["groups"]["grey, image encoder agrees"]["fits"].values())
+    assert all("c" not in fit for fit in written["groups"]["grey"]["fits"].values())
     from medvqa.answer_head import AnswerHead
     from medvqa.config import load_settings, resolve_path
     assert written["agreement"]["answer_head_digest"] == AnswerHead.digest_of(

@@ -73,6 +73,7 @@ def test_the_offline_profile_judges_a_yes_no_answer_by_the_heads_agreement(pipel
     done = llama.answer_done(image, "Is there a pleural effusion?", use_retrieval=False, constrained=True)
     reading = done.closed["encoder_reading"]
     assert reading["answer"] in ("Yes", "No") and reading["agrees"] == (reading["answer"].lower() == done.closed["choice"])
+    assert reading["strength"] >= 0  # the shipped parts weigh how firmly the head reads it
     part = "agrees" if reading["agrees"] else "disagrees"
     assert done.closed["calibration_group"] == f"grey, image encoder {part}"
     if done.closed["held_out"]:  # (None for a confidence in a bin no held-out answer of that part fell in)
