@@ -26,7 +26,7 @@ from .answers import normalise, surface_forms
 from .confidence import HEAD, PRESUPPOSED, YES_NO, question_kind, ranked
 from .engines import EngineRequest
 from .model import VisionLanguageModel, image_digest
-from .presuppose import Presupposition, presupposition
+from .presuppose import Presupposition, head_kind, presupposition
 from .prompt import Prompt
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ClosedQuestions:
         if question_kind(candidates) != YES_NO:
             return None, None
         named = presupposition(question)
-        if self.head_closes and (named.kind if named else "other") in self.settings.decoder.head_answers:
+        if self.head_closes and head_kind(named) in self.settings.decoder.head_answers:
             return HEAD, None
         if self.settings.decoder.presupposed_closed and named and named.kind in self.settings.decoder.presupposed_kinds:
             return PRESUPPOSED, named
@@ -221,7 +221,8 @@ class ClosedQuestions:
         if verdict.confidence is None and self.calibration.unused:
             closed["uncalibrated"] = self.calibration.unused  # the configured file fits another model
         if presupposed:
-            closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target}
+            closed["presupposed"] = {"question": presupposed.question, "target": presupposed.target,
+                                     **({"negated": True} if presupposed.negated else {})}
         return closed, verdict
 
     def choose_closed(self, request: EngineRequest, options: list[str], yes_bias: float | None = None) -> str:
@@ -245,10 +246,13 @@ class ClosedQuestions:
 
     def _presupposed_scores(self, request: EngineRequest, presupposed: Presupposition) -> tuple[str, dict[str, float]]:
         """("Yes" or "No", {"yes": the named value's score, "no": the best other value's}) after the
-        open question in `request`: the margin between them is what the confidence is fitted on."""
+        open question in `request` (the other way round for a negated question, where Yes means the named
+        value is not the most likely): the margin between them is what the confidence is fitted on."""
         values = self._option_scores(request, list(presupposed.options), yes_bias=0.0)[1]
         named = values.pop(normalise(presupposed.target))
         other = max(values.values())
+        if presupposed.negated:
+            return ("Yes" if other > named else "No"), {"yes": other, "no": named}
         return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
 
     def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:

@@ -89,10 +89,10 @@ class DecoderConfig:
     # attribute's values, and answered Yes when the value it names is the most likely
     # (medvqa/presuppose.py). Off: Yes against No, as the reference decoders are scored.
     presupposed_closed: bool = False
-    # Which of those attributes are read that way ("modality", "plane", "region", "organ"); a question
-    # about another one is scored Yes against No.
-    presupposed_kinds: list[Literal["modality", "plane", "region", "organ"]] = field(
-        default_factory=lambda: ["modality", "plane", "region", "organ"])
+    # Which of those attributes are read that way ("modality", "plane", "region", "organ", "abnormality":
+    # whether the image is normal); a question about another one is scored Yes against No.
+    presupposed_kinds: list[Literal["modality", "plane", "region", "organ", "abnormality"]] = field(
+        default_factory=lambda: ["modality", "plane", "region", "organ", "abnormality"])
     # Who answers yes/no questions: "decoder" (the LLaVA design: the frozen decoder scores Yes against
     # No, or reads the open question they presuppose) or "encoder_head" (outside the design, off by
     # default: the answer head trained with the offline encoder's medical stage, medvqa/answer_head.py,

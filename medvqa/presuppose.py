@@ -13,6 +13,11 @@ is the decoder's most likely one:
 The attributes, their values and the open questions are SLAKE's training phrasing (the projector was
 trained on those questions); a question this module does not recognise (None) is scored Yes against No
 as before. Questions naming two values ("CT or MRI?") are choice questions already and are not read here.
+
+Whether the image is normal ("Is the lung healthy?", "Are there abnormalities in this image?") presupposes
+"What diseases are included in the picture?", whose answers in SLAKE's training split are its diseases or
+"None": a question asking whether it is normal is answered Yes when None is the most likely answer, one
+asking whether something is abnormal (`negated`) Yes when a disease is.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from dataclasses import dataclass
 
 from .answers import normalise
 
-KINDS = ("modality", "plane", "region", "organ")  # the attributes read (decoder.presupposed_kinds)
+KINDS = ("modality", "plane", "region", "organ", "abnormality")  # the attributes read (decoder.presupposed_kinds)
 MODALITY_QUESTION = "What modality is used to take this image?"
 PLANE_QUESTION = "Which plane is the image scanned?"
 REGION_QUESTION = "Which part of the body does this image belong to?"
 ORGAN_QUESTION = "What is the main organ in the image?"
+ABNORMALITY_QUESTION = "What diseases are included in the picture?"
 
 MODALITIES = {"CT": ("ct", "computed tomography"), "MRI": ("mri", "mr", "magnetic resonance"),
               "X-Ray": ("x ray", "xray", "radiograph", "plain film")}
@@ -40,6 +46,13 @@ ORGANS = ("Bladder", "Brain", "Brain Stem", "Colon", "Duodenum", "Ears", "Esopha
           "Spinal Cord", "Spleen", "Stomach", "Temporal Lobe", "Trachea")
 ORGAN_SPELLINGS = {"brian": "brain", "kidneys": "kidney", "lungs": "lung", "spine cord": "spinal cord",
                    "ear": "ears", "eye": "eyes", "oesophagus": "esophagus"}
+
+# SLAKE's training answers to ABNORMALITY_QUESTION, each disease as it spells it (one-off misspellings left out).
+NORMAL = "None"
+DISEASES = (NORMAL, "Atelectasis", "Brain Edema", "Brain Enhancing Tumor", "Brain Non-enhancing Tumor", "Brain Tumor",
+            "Cardiomegaly", "Effusion", "Infiltration", "Kidney Cancer", "Liver Cancer", "Lung Cancer", "Mass", "Nodule",
+            "Pleural Effusion", "Pneumonia", "Pneumothorax", "Pulmonary Infiltration", "Pulmonary Mass",
+            "Pulmonary Nodule")
 
 _IMAGE = r"(?:image|picture|scan|study|film|slice)"
 _ORGAN_PATTERNS = [re.compile(pattern) for pattern in (
@@ -58,6 +71,12 @@ _PLANE = re.compile(r"^is (?:this|the) (?:image |picture |scan )?(?:in |taken in
 _REGION = [re.compile(r"^is (?:this|the) (?:image |picture )?(?:an? )?(?:study|image|scan|picture) (?:of|from) (?:the )?(?P<x>.+)$"),
            re.compile(rf"^do (?:the|any of the|all the) organs in (?:the|this) {_IMAGE} (?:exist|lie|belong) in (?:the )?(?P<x>.+)$")]
 _WEIGHTING = re.compile(r"\b(?:t1|t2|flair|weighted|contrast|enhanced|dwi|adc)\b")
+# SLAKE's training phrasings of "is it normal?" and of "is something abnormal?" (normalised: "is/are" reads "is are")
+_NORMAL = re.compile(rf"^(?:is the .+ healthy|does (?:this|the) {_IMAGE} look normal|is (?:this|the) {_IMAGE} normal"
+                     r"|does the .+ look normal|is the .+ normal appearing)$")
+_ABNORMAL = re.compile(rf"^(?:are there abnormalities in (?:this|the) {_IMAGE}|does (?:this|the) {_IMAGE} look abnormal"
+                       r"|does the .+ look abnormal|is the .+ abnormal|does the patient have any abnormalities"
+                       r"|is are there abnormalities in the patient s .+)$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,7 @@ class Presupposition:
     question: str  # the open question the yes/no question presupposes
     options: tuple[str, ...]  # the attribute's values, scored after `question`
     target: str  # the value the yes/no question names (one of `options`)
+    negated: bool = False  # Yes means `target` is not the most likely value ("Are there abnormalities?")
 
 
 def _value(phrase: str, values: dict[str, tuple[str, ...]]) -> str | None:
@@ -75,6 +95,16 @@ def _value(phrase: str, values: dict[str, tuple[str, ...]]) -> str | None:
         if phrase in spellings or phrase == normalise(value):
             return value
     return None
+
+
+# The kinds decoder.head_answers names (the answer head's own question kinds, chosen before "abnormality" was
+# read); a question of another kind, or of none, is "other" there.
+HEAD_KINDS = ("modality", "plane", "region", "organ")
+
+
+def head_kind(read: Presupposition | None) -> str:
+    """The kind decoder.head_answers knows a question by: its attribute among HEAD_KINDS, else "other"."""
+    return read.kind if read is not None and read.kind in HEAD_KINDS else "other"
 
 
 def presupposition(question: str, kinds=KINDS) -> Presupposition | None:
@@ -104,6 +134,10 @@ def _presupposition(question: str) -> Presupposition | None:
     match = _MODALITY.match(text)
     if match and not _WEIGHTING.search(text) and (modality := _value(match["x"], MODALITIES)):
         return Presupposition("modality", MODALITY_QUESTION, tuple(MODALITIES), modality)
+    if _NORMAL.match(text):
+        return Presupposition("abnormality", ABNORMALITY_QUESTION, DISEASES, NORMAL)
+    if _ABNORMAL.match(text):
+        return Presupposition("abnormality", ABNORMALITY_QUESTION, DISEASES, NORMAL, negated=True)
     return None
 
 
@@ -117,5 +151,5 @@ def reading_text(closed: dict | None) -> str:
     read = (closed or {}).get("presupposed")
     if not read:
         return ""
-    verdict = "is" if closed.get("choice") == "yes" else "is not"
+    verdict = "is" if (closed.get("choice") == "yes") != bool(read.get("negated")) else "is not"
     return f"Read as “{read['question']}”: {read['target']} {verdict} the model's most likely answer."

@@ -29,7 +29,7 @@ from medvqa.config import PROFILES, load_settings  # noqa: E402
 from medvqa.presuppose import presupposition  # noqa: E402
 
 QUESTIONS = ["Does the picture contain the liver?", "Is this a CT?", "Is this a study of the chest?",
-             "Is this a transverse plane?", "Is there a pleural effusion?"]
+             "Is this a transverse plane?", "Is the lung healthy?", "Is there a pleural effusion?"]
 OPEN_QUESTIONS = ["What modality is used to take this image?", "Which organ is abnormal?"]
 
 

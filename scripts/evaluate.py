@@ -138,7 +138,9 @@ def main() -> None:
     presupposed = ""
     kinds = settings.decoder.presupposed_kinds
     if settings.decoder.presupposed_closed and kinds:
-        presupposed = "p" if set(kinds) >= set(PRESUPPOSED_KINDS) else "p-" + "-".join(sorted(set(kinds))) + "-"
+        # "p": the first four kinds (runs kept before "abnormality" was added); any other set is named.
+        presupposed = ("p" if set(kinds) == set(PRESUPPOSED_KINDS) - {"abnormality"}
+                       else "p-" + "-".join(sorted(set(kinds))) + "-")
     closed = f"{CLOSED_DECODING}{presupposed}y{settings.decoder.yes_bias:g}"
     if pipeline.head_closes:  # decoder.closed_answerer "encoder_head": which head, which questions
         closed += f"-head-{pipeline.answer_head.digest[:10]}-" + "-".join(sorted(settings.decoder.head_answers))

@@ -120,9 +120,9 @@ def main(argv=None) -> int:
     truth = np.asarray([normalise(examples[i].answer) == "yes" for i in picked])
     source = np.asarray([spec_of[i] for i in picked])
     if args.by_kind:  # SLAKE's yes/no questions that name one value, by attribute (medvqa/presuppose.py)
-        from medvqa.presuppose import presupposition
+        from medvqa.presuppose import head_kind, presupposition
 
-        kinds = [getattr(presupposition(examples[i].question), "kind", "other") for i in picked]
+        kinds = [head_kind(presupposition(examples[i].question)) for i in picked]
         source = np.asarray([f"{spec} {kind}" if spec == "slake" else spec for spec, kind in zip(source, kinds)])
     real, shuffled = probe_scores(examples, picked, encoder_path, args.heads)
     rows = {"probe_real": (real > 0) == truth, "probe_shuffled": (shuffled > 0) == truth}

@@ -9,8 +9,8 @@ import pytest
 from medvqa.config import load_settings
 from medvqa.confidence import PRESUPPOSED, YES_NO
 from medvqa.pipeline import NEUTRAL_CONVERSATION, Conversation, Done
-from medvqa.presuppose import (MODALITY_QUESTION, ORGAN_QUESTION, ORGANS, PLANE_QUESTION, REGION_QUESTION,
-                               presupposition)
+from medvqa.presuppose import (ABNORMALITY_QUESTION, DISEASES, MODALITY_QUESTION, NORMAL, ORGAN_QUESTION, ORGANS,
+                               PLANE_QUESTION, REGION_QUESTION, head_kind, presupposition)
 
 
 @pytest.mark.parametrize("question, kind, target", [
@@ -41,7 +41,6 @@ def test_questions_naming_one_value_presuppose_its_open_question(question, kind,
 @pytest.mark.parametrize("question", [
     "Is this a CT or an MRI?",  # names two values: a choice question already
     "Is this an MRI image with T2 weighted?",  # weighting is another attribute
-    "Is the liver healthy?",
     "Does the picture contain the organ that could be used for breathing?",
     "Does the picture contain a tumor?",  # not an organ of the list
     "Is there evidence of an aortic aneurysm?",
@@ -55,6 +54,30 @@ def test_other_questions_are_not_read(question):
 
 def test_organ_values_are_distinct():
     assert len(set(ORGANS)) == len(ORGANS)
+    assert len(set(DISEASES)) == len(DISEASES) and DISEASES[0] == NORMAL
+
+
+@pytest.mark.parametrize("question, negated", [
+    ("Is the lung healthy?", False),
+    ("Does this image look normal?", False),
+    ("Is this image normal?", False),
+    ("Does the liver look normal?", False),
+    ("Is the brain normal appearing?", False),
+    ("Are there abnormalities in this image?", True),
+    ("Does this image look abnormal?", True),
+    ("Does the lung look abnormal?", True),
+    ("Is the heart abnormal?", True),
+    ("Does the patient have any abnormalities?", True),
+    ("Is/Are there abnormalities in the patient's left lung?", True),
+])
+def test_whether_the_image_is_normal_presupposes_its_diseases(question, negated):
+    """SLAKE's "is it healthy / abnormal?" questions: Yes when None is (or, negated, is not) the most likely
+    answer to "What diseases are included in the picture?"; the answer head still counts them as "other"."""
+    read = presupposition(question)
+    assert read is not None and (read.kind, read.target, read.negated) == ("abnormality", NORMAL, negated)
+    assert read.question == ABNORMALITY_QUESTION and read.options == DISEASES
+    assert head_kind(read) == "other" and head_kind(presupposition("Is this a CT?")) == "modality"
+    assert head_kind(None) == "other"
 
 
 def _scored(pipeline, best: str):
@@ -119,6 +142,25 @@ def test_off_it_is_yes_against_no(tiny_pipeline):
     assert "Is this a CT?" in seen[0][2]
 
 
+@pytest.mark.parametrize("best, question, answer", [
+    ("None", "Is the lung healthy?", "Yes"), ("Pneumonia", "Is the lung healthy?", "No"),
+    ("None", "Are there abnormalities in this image?", "No"), ("Pneumonia", "Are there abnormalities in this image?", "Yes"),
+])
+def test_a_question_whether_it_is_normal_is_answered_by_the_diseases_reading(presupposing, best, question, answer):
+    from medvqa.presuppose import reading_text
+
+    _scored(presupposing, best)
+    _, done = _ask(presupposing, question)
+    assert done.answer == answer and done.closed["kind"] == PRESUPPOSED
+    negated = "abnormalities" in question
+    assert done.closed["presupposed"] == {"question": ABNORMALITY_QUESTION, "target": "None",
+                                          **({"negated": True} if negated else {})}
+    # Yes's score is the reading Yes stands for: None's for "healthy?", the best disease's for "abnormal?".
+    assert done.closed["options"] == ({"yes": -1.0, "no": -5.0} if answer == "Yes" else {"yes": -5.0, "no": -1.0})
+    assert reading_text(done.closed).endswith(f"None {'is' if best == 'None' else 'is not'} the model's most likely "
+                                              "answer.")
+
+
 def test_questions_it_does_not_read_stay_yes_against_no(presupposing):
     _scored(presupposing, "No")
     _, done = _ask(presupposing, "Is the heart enlarged?")
@@ -140,7 +182,7 @@ def test_a_kind_left_out_is_yes_against_no(presupposing):
 def test_kinds_from_the_environment():
     settings = load_settings("offline", env={"MEDVQA_DECODER__PRESUPPOSED_KINDS": "modality:plane:region"})
     assert settings.decoder.presupposed_kinds == ["modality", "plane", "region"]
-    assert load_settings("offline").decoder.presupposed_kinds == ["modality", "plane", "region", "organ"]
+    assert load_settings("offline").decoder.presupposed_kinds == ["modality", "plane", "region", "organ", "abnormality"]
 
 
 def test_profiles():
