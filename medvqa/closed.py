@@ -252,7 +252,7 @@ class ClosedQuestions:
         named = values.pop(normalise(presupposed.target))
         other = max(values.values())
         if presupposed.negated:
-            return ("Yes" if other > named else "No"), {"yes": other, "no": named}
+            return ("Yes" if other >= named else "No"), {"yes": other, "no": named}  # a tie: Yes, as ranked()
         return ("Yes" if named >= other else "No"), {"yes": named, "no": other}
 
     def option_scores(self, image: np.ndarray, prompt: Prompt, forms: list[str], digest: str | None = None) -> list[float]:

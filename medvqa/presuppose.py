@@ -71,12 +71,16 @@ _PLANE = re.compile(r"^is (?:this|the) (?:image |picture |scan )?(?:in |taken in
 _REGION = [re.compile(r"^is (?:this|the) (?:image |picture )?(?:an? )?(?:study|image|scan|picture) (?:of|from) (?:the )?(?P<x>.+)$"),
            re.compile(rf"^do (?:the|any of the|all the) organs in (?:the|this) {_IMAGE} (?:exist|lie|belong) in (?:the )?(?P<x>.+)$")]
 _WEIGHTING = re.compile(r"\b(?:t1|t2|flair|weighted|contrast|enhanced|dwi|adc)\b")
-# SLAKE's training phrasings of "is it normal?" and of "is something abnormal?" (normalised: "is/are" reads "is are")
-_NORMAL = re.compile(rf"^(?:is the .+ healthy|does (?:this|the) {_IMAGE} look normal|is (?:this|the) {_IMAGE} normal"
-                     r"|does the .+ look normal|is the .+ normal appearing)$")
+# SLAKE's training phrasings of "is it normal?" and of "is something abnormal?" (normalised: "is/are" reads
+# "is are"), `x` an organ (ORGANS, with a side or part: "left lung", "right brain lobe") or absent (the whole image); a
+# question naming a finding, a size or a shape ("Is the heart size abnormal?") is not read, nor one saying "not".
+_NORMAL = re.compile(rf"^(?:is the (?P<x>.+) healthy|does (?:this|the) {_IMAGE} look normal"
+                     rf"|is (?:this|the) {_IMAGE} normal|does the (?P<y>.+) look normal|is the (?P<z>.+) normal appearing)$")
 _ABNORMAL = re.compile(rf"^(?:are there abnormalities in (?:this|the) {_IMAGE}|does (?:this|the) {_IMAGE} look abnormal"
-                       r"|does the .+ look abnormal|is the .+ abnormal|does the patient have any abnormalities"
-                       r"|is are there abnormalities in the patient s .+)$")
+                       r"|does the (?P<x>.+) look abnormal|is the (?P<y>.+) abnormal"
+                       r"|does the patient have any abnormalities|is are there abnormalities in the patient s (?P<z>.+))$")
+_NEGATION = re.compile(r"\b(?:not|no|n t|never)\b")
+_SIDES = re.compile(r"^(?:(?:left|right|upper|lower|both) )*(?P<organ>.+?)(?: lobes?)?$")
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,21 @@ def _presupposition(question: str) -> Presupposition | None:
     match = _MODALITY.match(text)
     if match and not _WEIGHTING.search(text) and (modality := _value(match["x"], MODALITIES)):
         return Presupposition("modality", MODALITY_QUESTION, tuple(MODALITIES), modality)
-    if _NORMAL.match(text):
-        return Presupposition("abnormality", ABNORMALITY_QUESTION, DISEASES, NORMAL)
-    if _ABNORMAL.match(text):
-        return Presupposition("abnormality", ABNORMALITY_QUESTION, DISEASES, NORMAL, negated=True)
+    for pattern, negated in ((_NORMAL, False), (_ABNORMAL, True)):
+        match = pattern.match(text)
+        if match and not _NEGATION.search(text) and _whole_or_organ(match):
+            return Presupposition("abnormality", ABNORMALITY_QUESTION, DISEASES, NORMAL, negated=negated)
     return None
+
+
+def _whole_or_organ(match: re.Match) -> bool:
+    """Whether an "is it normal?" question asks about the whole image or one of ORGANS (with a side or part)."""
+    phrase = next((match[name] for name in ("x", "y", "z") if match[name]), None)
+    if phrase is None:
+        return True
+    organ = _SIDES.match(phrase)["organ"]
+    organ = ORGAN_SPELLINGS.get(organ, organ)
+    return any(normalise(name) == organ for name in ORGANS)
 
 
 def reading_text(closed: dict | None) -> str:

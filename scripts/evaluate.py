@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,
                             open_recall)
-from medvqa.confidence import HEAD, NEVER
+from medvqa.confidence import HEAD, NEVER, PRESUPPOSED
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
@@ -90,6 +90,19 @@ def answered_already(row: dict, example: VQAExample, conditions: list[str], head
     if example.answer_type == "CLOSED":
         return "margin" in row
     return "head_open" in row or not head_opens or closed_candidates(example.question) is not None
+
+
+def rerouted(row: dict, example: VQAExample, pipeline) -> bool:
+    """Whether a kept closed row was answered along another route than the pipeline takes now (through a
+    presupposed open question, by the answer head, or neither): the question's reading changed since (a kind
+    added to decoder.presupposed_kinds, a phrasing no longer read), so its answer is computed again."""
+    if example.answer_type != "CLOSED" or row.get("closed_kind") is None:
+        return False
+    options = closed_candidates(example.question)
+    route = pipeline._closed_route(example.question, options)[0] if options else None
+    if route in (HEAD, PRESUPPOSED):
+        return row["closed_kind"] != route
+    return row["closed_kind"] in (HEAD, PRESUPPOSED)
 
 
 def main() -> None:
@@ -168,7 +181,9 @@ def main() -> None:
     main = "retrieval" if "retrieval" in args.conditions else args.conditions[0]
     with results_path.open("a") as out:
         for example in tqdm(examples, desc=f"{args.dataset} {args.split}", unit="q"):
-            if example.qid in done and answered_already(done[example.qid], example, args.conditions, pipeline.head_opens):
+            kept = done.get(example.qid)
+            if (kept and answered_already(kept, example, args.conditions, pipeline.head_opens)
+                    and not rerouted(kept, example, pipeline)):
                 continue
             row = {"qid": example.qid, "question": example.question, "reference": example.answer,
                    "answer_type": example.answer_type}

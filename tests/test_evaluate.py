@@ -210,3 +210,26 @@ def test_a_kept_row_is_answered_again_only_when_it_lacks_what_the_run_needs():
     assert kept(both, example("Which is denser, the cyst or the kidney?", "OPEN"), conditions, True)
     assert not kept(both, example("Is there an effusion?", "CLOSED"), conditions, False)
     assert kept(dict(both, margin=0.3), example("Is there an effusion?", "CLOSED"), conditions, False)
+
+
+def test_a_kept_closed_row_answered_along_another_route_is_answered_again(tiny_pipeline):
+    """A question whose reading changed since its row was kept (a presupposed kind added or dropped) is asked
+    again; rows answered along the route the pipeline takes now, or in free text, are kept."""
+    from medvqa.confidence import PRESUPPOSED, YES_NO
+    from medvqa.datasets import VQAExample
+
+    evaluate = load_script("evaluate")
+    healthy = VQAExample(qid="q", image=REPO / "x.png", question="Is the lung healthy?", answer="Yes",
+                         answer_type="CLOSED")
+    decoder = tiny_pipeline.settings.decoder
+    before = decoder.presupposed_closed
+    try:
+        decoder.presupposed_closed = True
+        assert evaluate.rerouted({"closed_kind": YES_NO}, healthy, tiny_pipeline)
+        assert not evaluate.rerouted({"closed_kind": PRESUPPOSED}, healthy, tiny_pipeline)
+        assert not evaluate.rerouted({"closed_kind": None}, healthy, tiny_pipeline)
+        decoder.presupposed_closed = False
+        assert evaluate.rerouted({"closed_kind": PRESUPPOSED}, healthy, tiny_pipeline)
+        assert not evaluate.rerouted({"closed_kind": YES_NO}, healthy, tiny_pipeline)
+    finally:
+        decoder.presupposed_closed = before

@@ -57,6 +57,19 @@ def test_organ_values_are_distinct():
     assert len(set(DISEASES)) == len(DISEASES) and DISEASES[0] == NORMAL
 
 
+@pytest.mark.parametrize("question", [
+    "Is the liver not healthy?",  # SLAKE's training split asks this; "not" turns the question around
+    "Isn't the lung abnormal?",
+    "Is the lung nodule abnormal?",  # a finding, not an organ
+    "Is the brain tumor healthy?",
+    "Is the heart size abnormal?",  # a size (VQA-RAD), not whether the organ is diseased
+    "Is the aortic arch shape abnormal?",
+    "Is the gallbladder abnormal?",  # not one of SLAKE's organs
+])
+def test_questions_about_findings_sizes_or_negated_are_not_read_as_normal_or_not(question):
+    assert presupposition(question) is None
+
+
 @pytest.mark.parametrize("question, negated", [
     ("Is the lung healthy?", False),
     ("Does this image look normal?", False),
@@ -69,6 +82,9 @@ def test_organ_values_are_distinct():
     ("Is the heart abnormal?", True),
     ("Does the patient have any abnormalities?", True),
     ("Is/Are there abnormalities in the patient's left lung?", True),
+    ("Is/Are there abnormalities in the patient's right brain lobe?", True),
+    ("Is the left kidney abnormal?", True),
+    ("Is the lungs healthy?", False),
 ])
 def test_whether_the_image_is_normal_presupposes_its_diseases(question, negated):
     """SLAKE's "is it healthy / abnormal?" questions: Yes when None is (or, negated, is not) the most likely
