@@ -142,6 +142,7 @@ def _ask(args) -> int:
     from .imaging import ScanError, open_study, parse_window
     from .injection import check_answer
     from .answer_head import open_note
+    from .open_choices import choice_note
     from .presuppose import reading_text
     from .pipeline import Done, Pipeline, Sources, Token
     from .safe_text import inert, safe_url, visible
@@ -174,7 +175,7 @@ def _ask(args) -> int:
                     # A scored closed answer given, with its confidence as the page shows it ("Uncertain"
                     # answers already say theirs).
                     print(f"(Confidence: {confidence_text(event.closed)})")
-                if reading := reading_text(event.closed) or open_note(event.head_open):
+                if reading := reading_text(event.closed) or open_note(event.head_open) or choice_note(event.open_choice):
                     print(f"({visible(reading)})")  # it may quote a training question (dataset text)
                 if event.passages:
                     print("Sources:" if event.in_prompt else "Related literature (not read by this model):")

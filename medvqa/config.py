@@ -130,6 +130,25 @@ class DecoderConfig:
     # scripts/tune_open_head.py on the held-out training images (docs/encoder.md).
     head_open_min_similarity: float = 0.0
     head_questions: str = ""  # scripts/build_head_questions.py's file, beside the heads
+    # How the decoder answers an open question that the answer head does not: "free" (the LLaVA design:
+    # it writes the answer) or "training_answers" (the project's addition, on in offline): when the question
+    # is at least open_choices_min_similarity like a training question (MiniLM cosine; the same words are
+    # 1.0), the decoder scores the answers training gave to that question, as it scores a closed question's
+    # options, and the best is the answer (medvqa/open_choices.py); the app says so under it. Each answer's
+    # score: mean token log-probability + open_choices_prior x log(how often training gave it). Engines that
+    # cannot score options generate.
+    open_choices: Literal["free", "training_answers"] = "free"
+    open_answers: str = ""  # scripts/build_open_answers.py's file (the training questions and their answers)
+    # The defaults are scripts/tune_open_choices.py's choice for the offline profile on the held-out training
+    # images (docs/evaluation.md): the highest similarity within 1 point of the best mean open recall, 1.0,
+    # i.e. only a training question's own words (closing punctuation aside), with the 8 most frequent answers
+    # and a prior of 0.5.
+    open_choices_min_similarity: float = 1.0
+    open_choices_max: int = 8  # at most this many answers, the most frequent, are scored
+    # Only a training question asked at least this many times: one asked once carries one image's answer
+    # ("What is the condition of the patient?" -> "Blind loop syndrome"), which would be given for every image.
+    open_choices_min_asked: int = 2
+    open_choices_prior: float = 0.5
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -269,7 +288,12 @@ def _offline_profile(cache_dir: str) -> Settings:
                               # (38.0 against 38.9 %; of LLaVA-Med's 193 chat questions, 2.6 % are this
                               # similar; docs/encoder.md).
                               head_open_min_similarity=0.96,
-                              head_questions=str(REPO_ROOT / "weights" / "offline" / "head_questions.safetensors")),
+                              head_questions=str(REPO_ROOT / "weights" / "offline" / "head_questions.safetensors"),
+                              # Open questions worded like training ones: the decoder chooses among the
+                              # answers training gave them (docs/evaluation.md, "Open questions answered
+                              # among training answers"); scripts/tune_open_choices.py chose the settings.
+                              open_choices="training_answers",
+                              open_answers=str(REPO_ROOT / "weights" / "offline" / "open_answers.safetensors")),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are
         # shown to the clinician as related literature but not given to this model.

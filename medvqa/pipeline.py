@@ -42,6 +42,7 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
+from .open_choices import choose, load_open_answers
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
 
@@ -84,6 +85,12 @@ class Done:
     # with decoder.head_open_min_similarity set, "similarity" and "nearest" (the training question most
     # like this one) and "min_similarity".
     head_open: dict | None = None
+    # With decoder.open_choices "training_answers", an open answer the decoder chose among the answers
+    # training gave to the question most like this one: {"answer", "nearest" (that training question),
+    # "similarity", "min_similarity", "choices" (how many were scored), "asked" (how often training asked that
+    # question), "prior", "runner_up" (the next best
+    # answer, or None), "margin" (their score difference)}; None for an answer written freely.
+    open_choice: dict | None = None
 
 
 @dataclass
@@ -204,6 +211,9 @@ class Pipeline(ClosedQuestions):
         self.answer_head = load_answer_head(settings, model)
         self.head_closes = self.answer_head is not None and settings.decoder.closed_answerer == "encoder_head"
         self.head_opens = self.answer_head is not None and settings.decoder.open_answerer == "encoder_head"
+        # decoder.open_choices "training_answers": an open question worded like a training question is
+        # answered by the decoder scoring the answers training gave to it (medvqa/open_choices.py).
+        self.open_answers = load_open_answers(settings, engine.scores_options)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
@@ -317,6 +327,10 @@ class Pipeline(ClosedQuestions):
         # The encoder's answer head reads the image and the question only: when it answers, no passage
         # goes into a prompt, and those shown beside the answer are related literature, not sources read.
         by_head = route == HEAD or bool(head_open and head_open["answered"])
+        choices = (self.open_answers.find(question, self.settings.decoder.open_choices_min_similarity,
+                                          self.settings.decoder.open_choices_max, self.settings.decoder.open_choices_min_asked)
+                   if options is None and self.open_answers is not None and not by_head else None)
+        open_choice = None
         in_prompt = self.passages_in_prompt(question) and not by_head
 
         def sources(query: str) -> Sources:
@@ -358,6 +372,10 @@ class Pipeline(ClosedQuestions):
             pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
         elif head_open and head_open["answered"]:
             pieces = iter([head_open["answer"]])  # the answer head's (decoder.open_answerer)
+        elif choices is not None:
+            # The best of the answers training gave to the nearest training question (decoder.open_choices).
+            open_choice = self._open_choice(request, choices)
+            pieces = iter([open_choice["answer"]])
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
@@ -391,12 +409,25 @@ class Pipeline(ClosedQuestions):
         tracker.done(timings, len(answer_parts), closed)
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note,
-                   head_open)
+                   head_open, open_choice)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
         # and types, the engine caches the start of the next turn, so the next question only has its
         # own words to prefill.
         if warm and self.settings.decoder.warm_next_turn:
             self._warm(conversation)
+
+    def _open_choice(self, request: EngineRequest, choices) -> dict:
+        """Done.open_choice: the decoder's scores of `choices` (open_choices.Choices) after `request`'s prompt."""
+        prior = self.settings.decoder.open_choices_prior
+        scores = self.engine.score_options(request, [self.prompts.answer_ids(answer) for answer in choices.answers])
+        best, combined = choose(scores, choices.counts, prior)
+        others = [k for k in np.argsort(combined)[::-1] if k != best]
+        runner_up = int(others[0]) if others else None
+        return {"answer": choices.answers[best], "nearest": choices.nearest, "similarity": choices.similarity,
+                "min_similarity": self.settings.decoder.open_choices_min_similarity, "choices": len(choices.answers),
+                "asked": choices.asked,
+                "prior": prior, "runner_up": choices.answers[runner_up] if runner_up is not None else None,
+                "margin": combined[best] - combined[runner_up] if runner_up is not None else None}
 
     def _head_open(self, conversation: Conversation, question: str) -> dict:
         """The answer head's reading of an open question (Done.head_open): it answers when its

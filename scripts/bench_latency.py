@@ -6,7 +6,8 @@ the memory bandwidth allows.
 
 Every figure is a median over --runs runs. The decode limit is measured read bandwidth (sampled
 beside each decode run) divided by the bytes of decoder weights read per generated token (every
-weight once, in the dtype as loaded).
+weight once, in the dtype as loaded). Open questions are written by the decoder (decoder.open_choices
+"free"): answers chosen among training answers are timed by scripts/bench_closed.py --open.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main() -> None:
 
     settings = load_settings(args.profile)
     settings.decoder.engine = args.engine
+    # It times the decoder writing answers; an open question answered among training answers
+    # (decoder.open_choices) is timed by scripts/bench_closed.py --open.
+    settings.decoder.open_choices = "free"
     pipeline = Pipeline.load(settings)
     cold_start = time.perf_counter() - STARTED
     engine = pipeline.engine

@@ -92,11 +92,17 @@ def questions_sha256(questions: list[str]) -> str:
     return hashlib.sha256("\n".join(questions).encode()).hexdigest()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def training_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments naming the training data and the images held out of them (--data, --holdout-percent)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", required=True,
                         help="training data specs, as for train_encoder.py (vqa-rad:train slake:train pathvqa:DIR:train)")
     parser.add_argument("--holdout-percent", type=float, default=15.0)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = training_parser(__doc__)
     parser.add_argument("--heads", default=str(REPO / "weights" / "offline" / "encoder_heads.safetensors"))
     parser.add_argument("--out", default=str(REPO / "weights" / "offline" / "head_questions.safetensors"))
     args = parser.parse_args(argv)

@@ -161,6 +161,10 @@ def main() -> None:
         closed += f"-openhead-{pipeline.answer_head.digest[:10]}-{settings.decoder.head_open_min_probability:g}"
         if settings.decoder.head_open_min_similarity > 0:  # and only questions like its training questions
             closed += f"-like{settings.decoder.head_open_min_similarity:g}-{pipeline.answer_head.questions_digest[:8]}"
+    if pipeline.open_answers is not None:  # decoder.open_choices "training_answers": which answers, chosen how
+        closed += (f"-choices{settings.decoder.open_choices_min_similarity:g}-{settings.decoder.open_choices_max}-"
+                   f"{settings.decoder.open_choices_prior:g}-a{settings.decoder.open_choices_min_asked}-"
+                   f"{pipeline.open_answers.digest[:8]}")
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
     results_path = Path(args.run_dir) / run_name
@@ -214,6 +218,12 @@ def main() -> None:
                     # the decoder answered (scripts/tune_open_head.py chooses the threshold from them).
                     row["head_open"] = {key: answered.head_open[key] for key in ("answer", "probability", "answered",
                                                                                  "similarity") if key in answered.head_open}
+                if condition == main and example.answer_type != "CLOSED":
+                    # decoder.open_choices: which training question's answers the decoder chose among (None:
+                    # it wrote the answer freely).
+                    chosen = answered.open_choice
+                    row["open_choice"] = ({key: chosen[key] for key in ("nearest", "similarity", "choices", "margin")}
+                                          if chosen else None)
                 if condition == "retrieval":
                     row["passages"] = [p.id for p in passages]
             if example.answer_type == "CLOSED" and not args.no_free_closed and "retrieval" in args.conditions:
@@ -319,6 +329,16 @@ def main() -> None:
                                       for condition in args.conditions if all(condition in r for r in mine)}}
             for name, mine in (("encoder_head", [r for r in open_rows if r.get("head_open", {}).get("answered")]),
                                ("decoder", [r for r in open_rows if not r.get("head_open", {}).get("answered")]))
+            if mine}
+    if pipeline.open_answers is not None and open_rows:
+        summary["open_choices"] = {"min_similarity": settings.decoder.open_choices_min_similarity,
+                                   "max": settings.decoder.open_choices_max, "prior": settings.decoder.open_choices_prior,
+                                   "min_asked": settings.decoder.open_choices_min_asked}
+        summary["open_by_route"] = {
+            name: {"n": len(mine), **{condition: round(score(mine, condition)["open_recall"], 4)
+                                      for condition in args.conditions if all(condition in r for r in mine)}}
+            for name, mine in (("chosen", [r for r in open_rows if r.get("open_choice")]),
+                               ("written", [r for r in open_rows if not r.get("open_choice")]))
             if mine}
     if pipeline.head_closes:
         summary["closed_by_answerer"] = {

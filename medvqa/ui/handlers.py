@@ -308,6 +308,7 @@ class _Handlers:
                     answer.text, answer.passages, answer.window = event.answer, list(event.passages), event.window
                     answer.support, answer.closed = list(event.support), event.closed
                     answer.confidence_note, answer.head_open = event.confidence_note, event.head_open
+                    answer.open_choice = event.open_choice
                     answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..answer_head import open_note
 from ..confidence import held_out_text
+from ..open_choices import choice_note
 from ..presuppose import reading_text
 from ..safe_text import inert, safe_url, visible
 
@@ -69,6 +70,8 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         confidence = _presupposed_html(answer.closed) + _confidence_html(answer.closed) + "\n\n"
     elif head := open_note(answer.head_open):  # an open answer the encoder's answer head gave
         confidence = f'<div class="medvqa-presupposed">{html.escape(head, quote=False)}</div>\n\n'
+    elif chosen := choice_note(answer.open_choice):  # an open answer chosen among training answers
+        confidence = f'<div class="medvqa-presupposed">{html.escape(chosen, quote=False)}</div>\n\n'
     else:  # a closed question answered in free text says its confidence was not measured
         note = answer.confidence_note
         confidence = f'<div class="medvqa-confidence">{html.escape(note)}</div>\n\n' if note else ""

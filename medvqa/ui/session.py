@@ -19,8 +19,9 @@ import gradio as gr
 from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
 from ..answer_head import open_note
-from ..presuppose import reading_text
+from ..open_choices import choice_note
 from ..pipeline import Conversation, Pipeline
+from ..presuppose import reading_text
 from ..safe_text import visible
 from .transcript import _citation
 
@@ -153,6 +154,7 @@ class _Answer:
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
     confidence_note: str = ""  # a closed question answered in free text: why it has no confidence
     head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
+    open_choice: dict | None = None  # an open answer the decoder chose among training answers (Done.open_choice)
 
     def _marks(self) -> list:
         """One support mark per passage (a passage without one is related literature)."""
@@ -178,6 +180,11 @@ class _Answer:
                                     **({"similarity": round(float(self.head_open["similarity"]), 4)}
                                        if "similarity" in self.head_open else {})}}
                    if (head_note := open_note(self.head_open)) else {}),
+                **({"answered_by": {"answerer": "decoder_choice", "note": chosen,
+                                    "nearest_training_question": str(self.open_choice["nearest"]),
+                                    "similarity": round(float(self.open_choice["similarity"]), 4),
+                                    "choices": int(self.open_choice["choices"])}}
+                   if (chosen := choice_note(self.open_choice)) else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),

@@ -1,0 +1,181 @@
+"""Open questions answered by the decoder choosing among the answers training gave to the same question
+(`decoder.open_choices` "training_answers", on in the offline profile; the LLaVA-Med profile generates).
+
+Most open questions of SLAKE, VQA-RAD and PathVQA are asked in the same words about many images, and
+their answers come from a short list: "Where is the liver?" is answered "Left", "Right", "Upper Left" and
+a few others, "What modality is used to take this image?" "CT", "MRI" or "X-Ray". Written freely, the
+frozen 135M decoder often answers something off that list. With this setting the decoder still answers,
+with the same image and prompt, but as it answers a closed question: it scores each answer that the
+training data gave to the training question most like the clinician's, and the best one is the answer.
+A question unlike every training question ("Describe the findings in this scan.") is generated as before.
+
+    answers = OpenAnswers.load("weights/offline/open_answers.safetensors")
+    answers.find("Where is the liver?", min_similarity=0.96, max_answers=32)
+    # Choices(nearest="Where is the liver?", similarity=1.0, answers=("Left", "Right", ...), counts=(41, 12, ...))
+
+Each answer's score is its mean token log-probability after the prompt (the engine's score_options) plus
+`decoder.open_choices_prior` times the log of how often training gave it to that question; the prior and
+the similarity were chosen on the held-out training images (scripts/tune_open_choices.py). The file is
+built from the training images only, those held out left out (scripts/build_open_answers.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .answer_head import QUESTION_EMBEDDER, question_form
+
+
+class OpenAnswersError(ValueError):
+    """The open answers file cannot be used (missing, unreadable, another embedder)."""
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The answers one open question is chosen among: those training gave to `nearest`."""
+
+    nearest: str  # the training question most like the asked one (question_form)
+    similarity: float  # their MiniLM cosine similarity; 1.0 for the same words
+    answers: tuple[str, ...]  # as the training answers most often write them, most frequent first
+    counts: tuple[int, ...]  # how often training gave each to `nearest`
+    asked: int = 0  # how often training asked `nearest` (all its answers, not only those kept)
+
+
+def content_digest(questions: list[str], answers: list[list[list]]) -> str:
+    """SHA-256 of the questions and their answers with counts (what a run's name says it used)."""
+    return hashlib.sha256(json.dumps([questions, answers], ensure_ascii=False).encode()).hexdigest()
+
+
+def choose(scores: list[float], counts: tuple[int, ...] | list[int], prior: float) -> tuple[int, list[float]]:
+    """(index of the chosen answer, each answer's combined score): mean log-probability + prior x
+    log(count); the first (most frequent) answer wins a tie."""
+    combined = [float(score) + prior * math.log(max(int(count), 1)) for score, count in zip(scores, counts)]
+    return int(np.argmax(combined)), combined
+
+
+class OpenAnswers:
+    """The training open questions (question_form), their answers with counts, and their embeddings."""
+
+    def __init__(self, questions: list[str], answers: list[list[list]], vectors, meta: dict | None = None,
+                 embedder=None):
+        if len(questions) != len(answers) or len(questions) != int(vectors.shape[0]) or not questions:
+            raise OpenAnswersError(f"{len(questions)} questions, {len(answers)} answer lists and "
+                                   f"{int(vectors.shape[0])} embeddings: they must be as many, and not none")
+        self.questions = questions
+        self.answers = answers  # per question: [[spelling, count], ...], most frequent first
+        self._vectors = np.asarray(vectors, dtype=np.float32)
+        self._index = {question: i for i, question in enumerate(questions)}
+        self.meta = meta or {}
+        self.digest = self.meta.get("content_sha256") or content_digest(questions, answers)
+        self._embedder = embedder
+
+    @classmethod
+    def load(cls, path: str | Path, embedder=None) -> "OpenAnswers":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise OpenAnswersError(f"no open answers at {path}: decoder.open_choices 'training_answers' needs the "
+                                   "file scripts/build_open_answers.py writes (decoder.open_answers)")
+        try:
+            with safe_open(str(path), "np") as handle:
+                meta = handle.metadata() or {}
+                vectors = handle.get_tensor("embeddings")
+        except Exception as error:  # safetensors' own errors are not ValueErrors
+            raise OpenAnswersError(f"{path} is not a readable safetensors file: {error}") from error
+        if meta.get("embedder") != QUESTION_EMBEDDER:
+            raise OpenAnswersError(f"{path} was embedded with {meta.get('embedder')!r}; the app embeds questions "
+                                   f"with {QUESTION_EMBEDDER!r}")
+        try:
+            questions, answers = json.loads(meta["questions"]), json.loads(meta["answers"])
+        except (KeyError, json.JSONDecodeError) as error:
+            raise OpenAnswersError(f"{path} does not list its questions and answers ({error})") from None
+        found = cls(questions, answers, vectors, meta, embedder)
+        if meta.get("content_sha256") and meta["content_sha256"] != content_digest(questions, answers):
+            raise OpenAnswersError(f"{path}: its questions and answers do not match the content_sha256 it records")
+        return found
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        if self._embedder is None:
+            from .retrieval.embed import load_embedder
+
+            self._embedder = load_embedder(QUESTION_EMBEDDER, device="cpu")
+        vectors = np.asarray(self._embedder.encode(texts, batch_size=128), dtype=np.float32)
+        return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+    def nearest(self, question: str) -> tuple[float, int]:
+        """(cosine similarity, index) of the training question most like `question`; the same words
+        (question_form) are 1.0 without embedding anything."""
+        form = question_form(question)
+        if form in self._index:
+            return 1.0, self._index[form]
+        similarities = self._vectors @ self.embed([form])[0]
+        best = int(np.argmax(similarities))
+        return float(similarities[best]), best
+
+    def find(self, question: str, min_similarity: float, max_answers: int, min_asked: int = 1) -> Choices | None:
+        """The answers to choose among for `question` (at most `max_answers`, the most frequent), or
+        None when no training question is at least `min_similarity` like it, or the most similar one was
+        asked fewer than `min_asked` times in training (a question asked of one image, "What is the size of
+        the mass?", has that image's answer, not answers to choose among)."""
+        if min_similarity >= 1.0 and question_form(question) not in self._index:
+            return None  # only a training question's own words: nothing to embed
+        similarity, index = self.nearest(question)
+        asked = sum(int(count) for _, count in self.answers[index])
+        if similarity < min_similarity or asked < min_asked:
+            return None
+        kept = self.answers[index][:max_answers]
+        return Choices(self.questions[index], round(similarity, 6), tuple(str(a) for a, _ in kept),
+                       tuple(int(c) for _, c in kept), asked)
+
+    def warm(self) -> "OpenAnswers":
+        """Load the question embedder now, so that the first answer does not wait for it."""
+        self.embed(["warm"])
+        return self
+
+
+def choice_note(record: dict | None) -> str:
+    """What the app says under an open answer chosen among training answers (Done.open_choice); "" for
+    any other answer."""
+    if not record:
+        return ""
+    like = ("the same question" if record["similarity"] >= 1.0
+            else f"the training question most like yours, \u201c{record['nearest']}\u201d")
+    asked = f", asked {record['asked']} times in training" if record.get("asked") else ""
+    if record["choices"] == 1:
+        return (f"Training data gave only this answer to {like}{asked}, so it was not chosen by reading this image; "
+                "treat it as what such images usually show, not as a finding.")
+    return (f"The language model chose this answer, reading this image, among the {record['choices']} answers training "
+            f"data gave most often to {like}{asked}; it did not write it freely. How often such answers are right is "
+            "not measured per answer.")
+
+
+def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:
+    """The training open answers when `decoder.open_choices` is "training_answers" and the engine can
+    score answers; None otherwise (an engine that cannot, such as a remote server, generates: logged)."""
+    import logging
+
+    from .config import resolve_path
+
+    decoder = settings.decoder
+    if decoder.open_choices != "training_answers":
+        return None
+    if not 0.0 <= decoder.open_choices_min_similarity <= 1.0:
+        raise OpenAnswersError(f"decoder.open_choices_min_similarity is {decoder.open_choices_min_similarity}; it is a "
+                               "cosine similarity, from 0 (every open question) to 1 (only a training question's words)")
+    if decoder.open_choices_min_asked < 1:
+        raise OpenAnswersError(f"decoder.open_choices_min_asked is {decoder.open_choices_min_asked}; it counts how often "
+                               "training asked the question, at least 1")
+    if decoder.open_choices_max < 1:
+        raise OpenAnswersError(f"decoder.open_choices_max is {decoder.open_choices_max}; at least one answer is scored")
+    if not scores_options:
+        logging.getLogger(__name__).info("decoder.open_choices: the %r engine cannot score answers; open questions "
+                                         "are generated", decoder.engine)
+        return None
+    return OpenAnswers.load(resolve_path(decoder.open_answers) if decoder.open_answers else "")
