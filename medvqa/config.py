@@ -140,15 +140,16 @@ class DecoderConfig:
     open_choices: Literal["free", "training_answers"] = "free"
     open_answers: str = ""  # scripts/build_open_answers.py's file (the training questions and their answers)
     # The defaults are scripts/tune_open_choices.py's choice for the offline profile on the held-out training
-    # images (docs/evaluation.md): the highest similarity within 1 point of the best mean open recall, 1.0,
-    # i.e. only a training question's own words (closing punctuation aside), with the 8 most frequent answers
-    # and a prior of 0.5.
+    # images (docs/evaluation.md): of the settings within 1 point of the best mean open recall, the highest
+    # similarity, 1.0 (only a training question's own words, case and closing punctuation aside), then the
+    # fewest answers, 4, then the smallest prior, 0 (the decoder's reading alone).
     open_choices_min_similarity: float = 1.0
-    open_choices_max: int = 8  # at most this many answers, the most frequent, are scored
-    # Only a training question asked at least this many times: one asked once carries one image's answer
-    # ("What is the condition of the patient?" -> "Blind loop syndrome"), which would be given for every image.
-    open_choices_min_asked: int = 2
-    open_choices_prior: float = 0.5
+    open_choices_max: int = 4  # at most this many answers, the most frequent, are scored
+    # Only answers training gave for at least this many different images are scored, and a question needs two
+    # such answers (else it is written): an answer given for one image is that image's finding ("What is the
+    # condition of the patient?" -> "Blind loop syndrome"), which would otherwise be given for every image.
+    open_choices_min_images: int = 2
+    open_choices_prior: float = 0.0
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True

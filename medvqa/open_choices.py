@@ -10,13 +10,16 @@ training data gave to the training question most like the clinician's, and the b
 A question unlike every training question ("Describe the findings in this scan.") is generated as before.
 
     answers = OpenAnswers.load("weights/offline/open_answers.safetensors")
-    answers.find("Where is the liver?", min_similarity=0.96, max_answers=32)
-    # Choices(nearest="Where is the liver?", similarity=1.0, answers=("Left", "Right", ...), counts=(41, 12, ...))
+    answers.find("Where is the liver?", min_similarity=1.0, max_answers=8, min_images=2)
+    # Choices(nearest="Where is the liver?", similarity=1.0, answers=("Left", "Right", ...), counts=(41, 12, ...), images=...)
 
-Each answer's score is its mean token log-probability after the prompt (the engine's score_options) plus
-`decoder.open_choices_prior` times the log of how often training gave it to that question; the prior and
-the similarity were chosen on the held-out training images (scripts/tune_open_choices.py). The file is
-built from the training images only, those held out left out (scripts/build_open_answers.py).
+Only answers training gave for at least `decoder.open_choices_min_images` different images are candidates (an
+answer given for one image is that image's finding: "left lobe mass 1.5 x 1.8 cm"), and a question needs at
+least two of them: with fewer, the decoder would not be choosing, and the answer is written. Questions match
+case-insensitively. Each answer's score is its mean token log-probability after the prompt (the engine's
+score_options) plus `decoder.open_choices_prior` times the log of how often training gave it to that question;
+the settings were chosen on the held-out training images (scripts/tune_open_choices.py). The file is built
+from the training images only, those held out left out (scripts/build_open_answers.py).
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ class Choices:
     similarity: float  # their MiniLM cosine similarity; 1.0 for the same words
     answers: tuple[str, ...]  # as the training answers most often write them, most frequent first
     counts: tuple[int, ...]  # how often training gave each to `nearest`
-    asked: int = 0  # how often training asked `nearest` (all its answers, not only those kept)
+    images: int = 0  # of how many different images training asked `nearest`
 
 
-def content_digest(questions: list[str], answers: list[list[list]]) -> str:
-    """SHA-256 of the questions and their answers with counts (what a run's name says it used)."""
-    return hashlib.sha256(json.dumps([questions, answers], ensure_ascii=False).encode()).hexdigest()
+def content_digest(questions: list[str], answers: list[list[list]], images: list[int] | None = None) -> str:
+    """SHA-256 of the questions, their answers with counts and images, and each question's images (what a
+    run's name says it used)."""
+    return hashlib.sha256(json.dumps([questions, answers, images], ensure_ascii=False).encode()).hexdigest()
 
 
 def choose(scores: list[float], counts: tuple[int, ...] | list[int], prior: float) -> tuple[int, list[float]]:
@@ -63,16 +67,20 @@ class OpenAnswers:
     """The training open questions (question_form), their answers with counts, and their embeddings."""
 
     def __init__(self, questions: list[str], answers: list[list[list]], vectors, meta: dict | None = None,
-                 embedder=None):
-        if len(questions) != len(answers) or len(questions) != int(vectors.shape[0]) or not questions:
-            raise OpenAnswersError(f"{len(questions)} questions, {len(answers)} answer lists and "
-                                   f"{int(vectors.shape[0])} embeddings: they must be as many, and not none")
-        self.questions = questions
-        self.answers = answers  # per question: [[spelling, count], ...], most frequent first
+                 embedder=None, images: list[int] | None = None):
+        images = images if images is not None else [0] * len(questions)
+        if (len(questions) != len(answers) or len(questions) != int(vectors.shape[0]) or len(images) != len(questions)
+                or not questions):
+            raise OpenAnswersError(f"{len(questions)} questions, {len(answers)} answer lists, {len(images)} image counts "
+                                   f"and {int(vectors.shape[0])} embeddings: they must be as many, and not none")
+        self.questions = questions  # question_form, as training most often writes it
+        # Per question: [[spelling, count, images], ...], most frequent first (images: of how many images).
+        self.answers = answers
+        self.images = images  # per question, of how many images training asked it
         self._vectors = np.asarray(vectors, dtype=np.float32)
-        self._index = {question: i for i, question in enumerate(questions)}
+        self._index = {match_key(question): i for i, question in enumerate(questions)}
         self.meta = meta or {}
-        self.digest = self.meta.get("content_sha256") or content_digest(questions, answers)
+        self.digest = self.meta.get("content_sha256") or content_digest(questions, answers, images)
         self._embedder = embedder
 
     @classmethod
@@ -94,10 +102,12 @@ class OpenAnswers:
                                    f"with {QUESTION_EMBEDDER!r}")
         try:
             questions, answers = json.loads(meta["questions"]), json.loads(meta["answers"])
+            images = json.loads(meta["images"])
         except (KeyError, json.JSONDecodeError) as error:
-            raise OpenAnswersError(f"{path} does not list its questions and answers ({error})") from None
-        found = cls(questions, answers, vectors, meta, embedder)
-        if meta.get("content_sha256") and meta["content_sha256"] != content_digest(questions, answers):
+            raise OpenAnswersError(f"{path} does not list its questions, answers and images ({error}); rebuild it "
+                                   "with scripts/build_open_answers.py") from None
+        found = cls(questions, answers, vectors, meta, embedder, images)
+        if meta.get("content_sha256") and meta["content_sha256"] != content_digest(questions, answers, images):
             raise OpenAnswersError(f"{path}: its questions and answers do not match the content_sha256 it records")
         return found
 
@@ -113,31 +123,36 @@ class OpenAnswers:
         """(cosine similarity, index) of the training question most like `question`; the same words
         (question_form) are 1.0 without embedding anything."""
         form = question_form(question)
-        if form in self._index:
-            return 1.0, self._index[form]
+        if match_key(form) in self._index:
+            return 1.0, self._index[match_key(form)]
         similarities = self._vectors @ self.embed([form])[0]
         best = int(np.argmax(similarities))
         return float(similarities[best]), best
 
-    def find(self, question: str, min_similarity: float, max_answers: int, min_asked: int = 1) -> Choices | None:
-        """The answers to choose among for `question` (at most `max_answers`, the most frequent), or
-        None when no training question is at least `min_similarity` like it, or the most similar one was
-        asked fewer than `min_asked` times in training (a question asked of one image, "What is the size of
-        the mass?", has that image's answer, not answers to choose among)."""
-        if min_similarity >= 1.0 and question_form(question) not in self._index:
+    def find(self, question: str, min_similarity: float, max_answers: int, min_images: int = 2) -> Choices | None:
+        """The answers to choose among for `question`: of the training question most like it, those training
+        gave for at least `min_images` different images, the `max_answers` most frequent; None when no training
+        question is at least `min_similarity` like it or fewer than two answers qualify (nothing to choose)."""
+        if min_similarity >= 1.0 and match_key(question_form(question)) not in self._index:
             return None  # only a training question's own words: nothing to embed
         similarity, index = self.nearest(question)
-        asked = sum(int(count) for _, count in self.answers[index])
-        if similarity < min_similarity or asked < min_asked:
+        if similarity < min_similarity:
             return None
-        kept = self.answers[index][:max_answers]
-        return Choices(self.questions[index], round(similarity, 6), tuple(str(a) for a, _ in kept),
-                       tuple(int(c) for _, c in kept), asked)
+        kept = [row for row in self.answers[index] if int(row[2]) >= min_images][:max_answers]
+        if len(kept) < 2:
+            return None
+        return Choices(self.questions[index], round(similarity, 6), tuple(str(row[0]) for row in kept),
+                       tuple(int(row[1]) for row in kept), int(self.images[index]))
 
     def warm(self) -> "OpenAnswers":
         """Load the question embedder now, so that the first answer does not wait for it."""
         self.embed(["warm"])
         return self
+
+
+def match_key(question: str) -> str:
+    """How a question is looked up among the training questions: its question_form, case-folded."""
+    return question_form(question).casefold()
 
 
 def choice_note(record: dict | None) -> str:
@@ -147,13 +162,11 @@ def choice_note(record: dict | None) -> str:
         return ""
     like = ("the same question" if record["similarity"] >= 1.0
             else f"the training question most like yours, \u201c{record['nearest']}\u201d")
-    asked = f", asked {record['asked']} times in training" if record.get("asked") else ""
-    if record["choices"] == 1:
-        return (f"Training data gave only this answer to {like}{asked}, so it was not chosen by reading this image; "
-                "treat it as what such images usually show, not as a finding.")
-    return (f"The language model chose this answer, reading this image, among the {record['choices']} answers training "
-            f"data gave most often to {like}{asked}; it did not write it freely. How often such answers are right is "
-            "not measured per answer.")
+    images = f", asked of {record['images']} images in training" if record.get("images") else ""
+    weighted = ", weighted toward the answers given most often" if record.get("prior") else ""
+    return (f"Chosen by the language model among the {record['choices']} answers training data gave most often to "
+            f"{like}{images}: each scored with this image{weighted}; not written freely. How often such answers are "
+            "right is not measured per answer.")
 
 
 def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:
@@ -169,13 +182,15 @@ def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:
     if not 0.0 <= decoder.open_choices_min_similarity <= 1.0:
         raise OpenAnswersError(f"decoder.open_choices_min_similarity is {decoder.open_choices_min_similarity}; it is a "
                                "cosine similarity, from 0 (every open question) to 1 (only a training question's words)")
-    if decoder.open_choices_min_asked < 1:
-        raise OpenAnswersError(f"decoder.open_choices_min_asked is {decoder.open_choices_min_asked}; it counts how often "
-                               "training asked the question, at least 1")
+    if decoder.open_choices_min_images < 1:
+        raise OpenAnswersError(f"decoder.open_choices_min_images is {decoder.open_choices_min_images}; it counts the "
+                               "images training gave an answer for, at least 1")
     if decoder.open_choices_max < 1:
         raise OpenAnswersError(f"decoder.open_choices_max is {decoder.open_choices_max}; at least one answer is scored")
     if not scores_options:
         logging.getLogger(__name__).info("decoder.open_choices: the %r engine cannot score answers; open questions "
                                          "are generated", decoder.engine)
         return None
-    return OpenAnswers.load(resolve_path(decoder.open_answers) if decoder.open_answers else "")
+    answers = OpenAnswers.load(resolve_path(decoder.open_answers) if decoder.open_answers else "")
+    # Below 1 a question in other words is embedded: load the embedder now, not during the first answer.
+    return answers.warm() if decoder.open_choices_min_similarity < 1.0 else answers

@@ -87,8 +87,8 @@ class Done:
     head_open: dict | None = None
     # With decoder.open_choices "training_answers", an open answer the decoder chose among the answers
     # training gave to the question most like this one: {"answer", "nearest" (that training question),
-    # "similarity", "min_similarity", "choices" (how many were scored), "asked" (how often training asked that
-    # question), "prior", "runner_up" (the next best
+    # "similarity", "min_similarity", "choices" (how many were scored), "images" (of how many images training
+    # asked that question), "prior", "runner_up" (the next best
     # answer, or None), "margin" (their score difference)}; None for an answer written freely.
     open_choice: dict | None = None
 
@@ -328,7 +328,7 @@ class Pipeline(ClosedQuestions):
         # goes into a prompt, and those shown beside the answer are related literature, not sources read.
         by_head = route == HEAD or bool(head_open and head_open["answered"])
         choices = (self.open_answers.find(question, self.settings.decoder.open_choices_min_similarity,
-                                          self.settings.decoder.open_choices_max, self.settings.decoder.open_choices_min_asked)
+                                          self.settings.decoder.open_choices_max, self.settings.decoder.open_choices_min_images)
                    if options is None and self.open_answers is not None and not by_head else None)
         open_choice = None
         in_prompt = self.passages_in_prompt(question) and not by_head
@@ -425,7 +425,7 @@ class Pipeline(ClosedQuestions):
         runner_up = int(others[0]) if others else None
         return {"answer": choices.answers[best], "nearest": choices.nearest, "similarity": choices.similarity,
                 "min_similarity": self.settings.decoder.open_choices_min_similarity, "choices": len(choices.answers),
-                "asked": choices.asked,
+                "images": choices.images,
                 "prior": prior, "runner_up": choices.answers[runner_up] if runner_up is not None else None,
                 "margin": combined[best] - combined[runner_up] if runner_up is not None else None}
 

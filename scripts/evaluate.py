@@ -163,7 +163,7 @@ def main() -> None:
             closed += f"-like{settings.decoder.head_open_min_similarity:g}-{pipeline.answer_head.questions_digest[:8]}"
     if pipeline.open_answers is not None:  # decoder.open_choices "training_answers": which answers, chosen how
         closed += (f"-choices{settings.decoder.open_choices_min_similarity:g}-{settings.decoder.open_choices_max}-"
-                   f"{settings.decoder.open_choices_prior:g}-a{settings.decoder.open_choices_min_asked}-"
+                   f"{settings.decoder.open_choices_prior:g}-i{settings.decoder.open_choices_min_images}-"
                    f"{pipeline.open_answers.digest[:8]}")
     run_name = (f"eval-{args.profile}-{engine}-{args.dataset}-{args.split}-{args.limit or 'all'}-{gate}-"
                 f"{closed}-{projector_id}-{_decoder_digest(settings.decoder.name_or_path)}.jsonl")
@@ -333,12 +333,13 @@ def main() -> None:
     if pipeline.open_answers is not None and open_rows:
         summary["open_choices"] = {"min_similarity": settings.decoder.open_choices_min_similarity,
                                    "max": settings.decoder.open_choices_max, "prior": settings.decoder.open_choices_prior,
-                                   "min_asked": settings.decoder.open_choices_min_asked}
+                                   "min_images": settings.decoder.open_choices_min_images}
         summary["open_by_route"] = {
             name: {"n": len(mine), **{condition: round(score(mine, condition)["open_recall"], 4)
                                       for condition in args.conditions if all(condition in r for r in mine)}}
             for name, mine in (("chosen", [r for r in open_rows if r.get("open_choice")]),
-                               ("written", [r for r in open_rows if not r.get("open_choice")]))
+                               # written by the decoder, or scored over the options they name, or the head's
+                               ("not_chosen", [r for r in open_rows if not r.get("open_choice")]))
             if mine}
     if pipeline.head_closes:
         summary["closed_by_answerer"] = {

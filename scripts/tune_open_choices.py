@@ -19,13 +19,13 @@ similarity was chosen: about what the decoder's own figures move between two ins
 highest similarity (the fewest questions given a training answer instead of a written one: a question
 unlike the training questions, "Describe the findings in this scan.", should get a sentence), then the
 fewest answers scored (the cheapest), then the smallest prior (the least weight on how often training gave
-an answer). The grid also shows decoder.open_choices_min_asked (only a training question asked at least
-this many times), but the choice keeps it at --min-asked (2): a question training asked once carries one
-image's answer ("What is the condition of the patient?" → "Blind loop syndrome"), which the app would then
-give for every image, and that is not a measurement choice. On SLAKE's templated questions such lone answers
-are often right, so the grid shows what the rule costs there. --free-form FILE prints, per similarity, the share of other questions (one per line, or a JSONL
-file with a "text" field such as LLaVA-Med's llava_med_eval_qa50_qa.jsonl) at least this similar to a
-training question: those that would get a training answer. The last line is JSON.
+an answer). The grid also shows decoder.open_choices_min_images (only answers training gave for at least
+this many different images are scored, and a question needs two of them), but the choice keeps it at
+--min-images (2): an answer given for one image is that image's finding ("What is the condition of the
+patient?" → "Blind loop syndrome"), which the app would otherwise give for any image, and that is not a
+measurement choice; the grid shows what the rule costs. --free-form FILE prints, per similarity, the share of other questions (one per line, or a JSONL
+file with a "text" field such as LLaVA-Med's llava_med_eval_qa50_qa.jsonl) that the app would answer among
+training answers at the chosen setting otherwise. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -41,19 +41,23 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 PRIORS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
-MAXES = [4, 8, 16, 32, 64]
+MAXES = [4, 8, 16, 32]
 SIMILARITIES = [0.8, 0.85, 0.9, 0.93, 0.96, 0.98, 1.0]
-ASKED = [1, 2, 3, 5, 10]
+IMAGES = [1, 2, 3]
 
 
 def score_split(pipeline, data: Path, split: str, out: Path, max_answers: int) -> list[dict]:
-    """Per open question of `split`, the decoder's scores of the nearest training question's answers (with
-    its image and another), resumed from `out`."""
+    """Per open question of `split`, the decoder's scores of the nearest training question's most frequent
+    answers (with its image and another), and where some setting of the grid leaves it to the decoder, its
+    written answers; resumed from `out`."""
     from tqdm import tqdm
 
     from medvqa.answers import closed_candidates
     from medvqa.datasets import load_examples, read_image
+    from medvqa.open_choices import match_key
+    from medvqa.answer_head import question_form
 
+    answers = pipeline.open_answers
     examples = [e for e in load_examples("jsonl", str(data), split)
                 if e.answer_type != "CLOSED" and closed_candidates(e.question) is None]
     done = {}
@@ -62,34 +66,32 @@ def score_split(pipeline, data: Path, split: str, out: Path, max_answers: int) -
     with out.open("a") as handle:
         for k, example in enumerate(tqdm(examples, desc=split, unit="q")):
             if example.qid in done:
-                row = done[example.qid]
-                if "written" not in row and needs_written(row, asked_of(pipeline, row["nearest"])):
-                    other = row.get("other") or other_image(examples, k)
-                    row["written"] = {condition: written(pipeline, read_image(path), example.question)
-                                      for condition, path in (("real", example.image), ("shuffled", other))}
-                    handle.write(json.dumps(row) + "\n")
-                    handle.flush()
                 continue
             other = other_image(examples, k)
-            found = pipeline.open_answers.find(example.question, 0.0, max_answers)
+            similarity, index = answers.nearest(example.question)
+            kept = answers.answers[index][:max_answers]
+            forms = [str(row[0]) for row in kept]
             prompt = pipeline.prompts.build(example.question)
             began = time.perf_counter()
             row = {"qid": example.qid, "question": example.question, "reference": example.answer, "max": max_answers,
-                   "other": str(other), "nearest": found.nearest, "similarity": found.similarity, "asked": found.asked,
-                   "answers": list(found.answers),
-                   "counts": list(found.counts),
-                   "real": pipeline.option_scores(read_image(example.image), prompt, list(found.answers)),
-                   "shuffled": pipeline.option_scores(read_image(other), prompt, list(found.answers))}
+                   "other": str(other), "nearest": answers.questions[index], "similarity": similarity,
+                   "exact": match_key(question_form(example.question)) in answers._index,
+                   "answers": forms, "counts": [int(r[1]) for r in kept], "images": [int(r[2]) for r in kept],
+                   "real": pipeline.option_scores(read_image(example.image), prompt, forms),
+                   "shuffled": pipeline.option_scores(read_image(other), prompt, forms)}
             row["score_s"] = round(time.perf_counter() - began, 3)
-            if needs_written(row, found.asked):  # the grid has it written freely somewhere
+            if needs_written(row):  # the grid has it written somewhere
                 row["written"] = {condition: written(pipeline, read_image(path), example.question)
                                   for condition, path in (("real", example.image), ("shuffled", other))}
             done[example.qid] = row
             handle.write(json.dumps(row) + "\n")
             handle.flush()
-    for row in done.values():
-        row.setdefault("asked", asked_of(pipeline, row["nearest"]))
     return [done[e.qid] for e in examples]
+
+
+def pipeline_find(pipeline, question: str, min_similarity: float, chosen: dict) -> bool:
+    """Whether the app, at this similarity and the chosen setting's others, answers `question` among answers."""
+    return pipeline.open_answers.find(question, min_similarity, chosen["max"], chosen["min_images"]) is not None
 
 
 def other_image(examples: list, k: int):
@@ -98,40 +100,43 @@ def other_image(examples: list, k: int):
                  if examples[(k + j) % len(examples)].image != examples[k].image), examples[k].image)
 
 
-def asked_of(pipeline, question: str) -> int:
-    """How often training asked `question` (a training question, in question_form)."""
-    answers = pipeline.open_answers
-    return sum(int(count) for _, count in answers.answers[answers.questions.index(question)])
+def candidates(row: dict, max_answers: int, min_images: int) -> list[int]:
+    """Positions of the answers the app scores (open_choices.OpenAnswers.find); [] when fewer than two."""
+    kept = [i for i, images in enumerate(row["images"]) if images >= min_images][:max_answers]
+    return kept if len(kept) >= 2 else []
 
 
-def needs_written(row: dict, asked: int) -> bool:
-    """Whether some setting of the grid has the decoder write this question's answer freely."""
-    return row["similarity"] < 1.0 or asked < max(ASKED)
+def needs_written(row: dict) -> bool:
+    """Whether some setting of the grid has the decoder write this question's answer."""
+    return not row["exact"] or not candidates(row, max(MAXES), max(IMAGES))
 
 
 def written(pipeline, image, question: str) -> str:
-    """The decoder's freely written answer (greedy), as the app gives it below the similarity threshold."""
+    """The decoder's written answer (greedy, as evaluate.py's default 24 new tokens), as the app gives it
+    where it does not choose."""
     kept, pipeline.open_answers = pipeline.open_answers, None
     try:
-        return pipeline.answer_done(image, question, use_retrieval=False).answer
+        return pipeline.answer_done(image, question, use_retrieval=False, max_new_tokens=24).answer
     finally:
         pipeline.open_answers = kept
 
 
-def answer(row: dict, condition: str, prior: float, max_answers: int, min_similarity: float, min_asked: int) -> str:
+def answer(row: dict, condition: str, prior: float, max_answers: int, min_similarity: float, min_images: int) -> str:
     from medvqa.open_choices import choose
 
-    if row["similarity"] < min_similarity or row["asked"] < min_asked:
+    similar = row["exact"] if min_similarity >= 1.0 else row["similarity"] >= min_similarity
+    kept = candidates(row, max_answers, min_images) if similar else []
+    if not kept:
         return row["written"][condition]
-    best, _ = choose(row[condition][:max_answers], row["counts"][:max_answers], prior)
-    return row["answers"][best]
+    best, _ = choose([row[condition][i] for i in kept], [row["counts"][i] for i in kept], prior)
+    return row["answers"][kept[best]]
 
 
 def recall(rows: list[dict], condition: str, prior: float, max_answers: int, min_similarity: float,
-           min_asked: int) -> float:
+           min_images: int) -> float:
     from medvqa.answers import open_recall
 
-    return sum(open_recall(answer(r, condition, prior, max_answers, min_similarity, min_asked), r["reference"])
+    return sum(open_recall(answer(r, condition, prior, max_answers, min_similarity, min_images), r["reference"])
                for r in rows) / max(len(rows), 1)
 
 
@@ -145,8 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--scores", default=str(REPO / "runs" / "tune-open-choices"),
                         help="folder of per-question scores, one file per split (resumable)")
     parser.add_argument("--tolerance", type=float, default=1.0, help="points of mean recall counted as a tie")
-    parser.add_argument("--min-asked", type=int, default=2, choices=ASKED,
-                        help="decoder.open_choices_min_asked, fixed rather than chosen (see above)")
+    parser.add_argument("--min-images", type=int, default=2, choices=IMAGES,
+                        help="decoder.open_choices_min_images, fixed rather than chosen (see above)")
     parser.add_argument("--free-form", nargs="*", default=[], help="files of other questions (see above)")
     args = parser.parse_args(argv)
 
@@ -170,36 +175,33 @@ def main(argv=None) -> int:
     for max_answers in [m for m in MAXES if m <= args.max]:
         for prior in PRIORS:
             for min_similarity in SIMILARITIES:
-                for min_asked in ASKED:
-                    entry = {"max": max_answers, "prior": prior, "min_similarity": min_similarity, "min_asked": min_asked}
+                for min_images in IMAGES:
+                    entry = {"max": max_answers, "prior": prior, "min_similarity": min_similarity, "min_images": min_images}
                     for split, rows in per_split.items():
-                        entry[split] = [round(100 * recall(rows, c, prior, max_answers, min_similarity, min_asked), 2)
+                        entry[split] = [round(100 * recall(rows, c, prior, max_answers, min_similarity, min_images), 2)
                                         for c in ("real", "shuffled")]
                     entry["mean"] = round(sum(entry[s][0] for s in per_split) / len(per_split), 2)
                     entry["mean_shuffled"] = round(sum(entry[s][1] for s in per_split) / len(per_split), 2)
                     grid.append(entry)
-    allowed = [e for e in grid if e["min_asked"] == args.min_asked]
+    allowed = [e for e in grid if e["min_images"] == args.min_images]
     best = max(entry["mean"] for entry in allowed)
     chosen = min((e for e in allowed if e["mean"] >= best - args.tolerance),
                  key=lambda e: (-e["min_similarity"], e["max"], e["prior"]))
-    print("max prior min_sim asked " + " ".join(f"{s:>22}" for s in per_split) + "   mean (shuffled)")
+    print("max prior min_sim images " + " ".join(f"{s:>22}" for s in per_split) + "   mean (shuffled)")
     for e in grid:
-        print(f"{e['max']:>3} {e['prior']:>5} {e['min_similarity']:>7} {e['min_asked']:>5} "
+        print(f"{e['max']:>3} {e['prior']:>5} {e['min_similarity']:>7} {e['min_images']:>6} "
               + " ".join(f"{e[s][0]:>13.1f} ({e[s][1]:>5.1f})" for s in per_split) + f"   {e['mean']:.1f} ({e['mean_shuffled']:.1f})")
     free_form = {}
     if args.free_form:
         from tune_open_head import read_questions
 
         others = [q for path in args.free_form for q in read_questions(Path(path))]
-        nearest = [pipeline.open_answers.nearest(q) for q in others]
-        values = [(v, asked_of(pipeline, pipeline.open_answers.questions[i])) for v, i in nearest]
-        free_form = {f"{t:g}": round(sum(v >= t and n >= chosen["min_asked"] for v, n in values) / len(values), 4)
-                     for t in SIMILARITIES}
-        print(f"other questions ({len(others)}) at least this similar to a training question asked at least "
-              f"{chosen['min_asked']} times: " + ", ".join(f"{t} {100 * share:.1f} %" for t, share in free_form.items()))
-        for question, (value, n) in zip(others, values):
-            if value >= chosen["min_similarity"] and n >= chosen["min_asked"]:
-                print(f"  given a training answer: {question!r}")
+        chosen_at = {f"{t:g}": [q for q in others if pipeline_find(pipeline, q, t, chosen)] for t in SIMILARITIES}
+        free_form = {t: round(len(found) / len(others), 4) for t, found in chosen_at.items()}
+        print(f"other questions ({len(others)}) that would be answered among training answers, by similarity: "
+              + ", ".join(f"{t} {100 * share:.1f} %" for t, share in free_form.items()))
+        for question in chosen_at[f"{chosen['min_similarity']:g}"]:
+            print(f"  at the chosen setting: {question!r}")
     timing = {split: round(sum(r["score_s"] for r in rows) / max(len(rows), 1) / 2, 3) for split, rows in per_split.items()}
     print(json.dumps({"chosen": chosen, "best_mean": best,
                       "questions": {s: len(r) for s, r in per_split.items()},

@@ -20,7 +20,10 @@ from medvqa.pipeline import Pipeline
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 QUESTIONS = ["What modality is used to take this image?", "Where is the liver?", "Which organ is abnormal?"]
-ANSWERS = [[["CT", 40], ["MRI", 30], ["X-Ray", 20]], [["Left", 9], ["Right", 3]], [["Liver", 5], ["Lung", 4], ["Brain", 1]]]
+# [spelling, count, images]: "Brain" was given for one image only, and is never scored.
+ANSWERS = [[["CT", 40, 35], ["MRI", 30, 30], ["X-Ray", 20, 18]], [["Left", 9, 7], ["Right", 3, 2]],
+           [["Liver", 5, 4], ["Lung", 4, 3], ["Brain", 1, 1]]]
+IMAGES = [80, 9, 8]
 
 
 class _Embedder:
@@ -37,13 +40,15 @@ class _Embedder:
         return np.asarray([vectors.get(text, [0.5, -0.5, -0.7]) for text in texts], dtype=np.float32)
 
 
-def _write(path, questions=QUESTIONS, answers=ANSWERS, vectors=None, **meta) -> None:
+def _write(path, questions=QUESTIONS, answers=ANSWERS, vectors=None, images=IMAGES, **meta) -> None:
     from safetensors.numpy import save_file
 
     if vectors is None:
         vectors = OpenAnswers(questions, answers, np.zeros((len(questions), 1))).embed(questions)
-    metadata = {"questions": json.dumps(questions), "answers": json.dumps(answers),
-                "content_sha256": content_digest(questions, answers), "embedder": QUESTION_EMBEDDER}
+    metadata = {"questions": json.dumps(questions), "answers": json.dumps(answers), "images": json.dumps(images),
+                "content_sha256": content_digest(questions, answers, images), "embedder": QUESTION_EMBEDDER}
+    if images is None:  # a file written before answers counted their images
+        del metadata["images"]
     metadata.update(meta)
     save_file({"embeddings": np.asarray(vectors, np.float16)}, str(path), metadata=metadata)
 
@@ -58,14 +63,16 @@ def _stub_file(tmp_path) -> OpenAnswers:
 def test_a_training_questions_own_words_find_its_answers_without_embedding(tmp_path):
     answers = _stub_file(tmp_path)
     answers._embedder.calls.clear()
-    found = answers.find("  Where is the liver ", min_similarity=0.99, max_answers=32)
-    assert found == Choices("Where is the liver?", 1.0, ("Left", "Right"), (9, 3), asked=12)
+    found = answers.find("  where is THE liver ", min_similarity=0.99, max_answers=32)  # case does not matter
+    assert found == Choices("Where is the liver?", 1.0, ("Left", "Right"), (9, 3), images=9)
     assert answers._embedder.calls == []
-    # At most max_answers, the most frequent first; `asked` counts them all.
-    assert answers.find("Which organ is abnormal?", 0.99, 2) == Choices(QUESTIONS[2], 1.0, ("Liver", "Lung"), (5, 4), 10)
-    # A question training asked fewer than min_asked times has one image's answers, not answers to choose among.
-    assert answers.find("Where is the liver?", 0.99, 32, min_asked=12).asked == 12
-    assert answers.find("Where is the liver?", 0.99, 32, min_asked=13) is None
+    # Only answers given for at least min_images images, then at most max_answers, the most frequent first.
+    assert answers.find("Which organ is abnormal?", 0.99, 8) == Choices(QUESTIONS[2], 1.0, ("Liver", "Lung"), (5, 4), 8)
+    assert answers.find("Which organ is abnormal?", 0.99, 8, min_images=1).answers == ("Liver", "Lung", "Brain")
+    assert answers.find("Which organ is abnormal?", 0.99, 2, min_images=1).answers == ("Liver", "Lung")
+    # Fewer than two answers left: nothing to choose among, the decoder writes.
+    assert answers.find("Where is the liver?", 0.99, 32, min_images=3) is None
+    assert answers.find("Where is the liver?", 0.99, 1) is None
 
 
 def test_other_words_find_the_most_similar_training_question_above_the_threshold(tmp_path):
@@ -102,21 +109,25 @@ def test_a_file_is_refused_when_it_is_missing_unreadable_or_of_another_embedder(
     _write(tmp_path / "edited.safetensors", vectors=np.eye(3), content_sha256="0" * 64)
     with pytest.raises(OpenAnswersError, match="content_sha256"):
         OpenAnswers.load(tmp_path / "edited.safetensors")
+    _write(tmp_path / "old.safetensors", vectors=np.eye(3), images=None)
+    with pytest.raises(OpenAnswersError, match="rebuild it"):
+        OpenAnswers.load(tmp_path / "old.safetensors")
     _write(tmp_path / "short.safetensors", vectors=np.eye(2)[:, :2])
     with pytest.raises(OpenAnswersError, match="as many"):
         OpenAnswers.load(tmp_path / "short.safetensors")
 
 
-def test_the_table_counts_open_answers_per_question_in_their_usual_spelling():
+def test_the_table_counts_open_answers_and_their_images_per_question_in_their_usual_spelling():
     from build_open_answers import open_table
 
-    rows = [("Where is the liver?", "Left"), ("Where is the liver", "left"), ("Where is the liver?", "Left "),
-            ("Where is the liver?", "Right"), ("Is this a CT?", "Yes"), ("What organ?", "No"), ("  ", "Lung"),
-            ("Which organ is abnormal?", "Liver")]
-    examples = [SimpleNamespace(question=q, answer=a) for q, a in rows]
-    questions, answers = open_table(examples)
+    rows = [("Where is the liver?", "Left", "a"), ("where is the liver", "left", "b"), ("Where is the liver?", "Left ", "b"),
+            ("Where is the liver?", "Right", "c"), ("Is this a CT?", "Yes", "a"), ("What organ?", "No", "a"),
+            ("  ", "Lung", "a"), ("Which organ is abnormal?", "Liver", "d")]
+    examples = [SimpleNamespace(question=q, answer=a, image=i) for q, a, i in rows]
+    questions, answers, images = open_table(examples, image_of=lambda example: example.image)
     assert questions == ["Where is the liver?", "Which organ is abnormal?"]
-    assert answers == [[["Left", 3], ["Right", 1]], [["Liver", 1]]]
+    assert answers == [[["Left", 3, 2], ["Right", 1, 1]], [["Liver", 1, 1]]]
+    assert images == [3, 1]
 
 
 def test_settings_are_checked_and_an_engine_that_cannot_score_generates(tmp_path, caplog):
@@ -130,7 +141,7 @@ def test_settings_are_checked_and_an_engine_that_cannot_score_generates(tmp_path
         assert load_open_answers(settings, scores_options=False) is None
     assert "cannot score answers" in caplog.text
     for name, value, match in (("open_choices_min_similarity", 1.5, "cosine similarity"),
-                               ("open_choices_max", 0, "at least one"), ("open_choices_min_asked", 0, "at least 1")):
+                               ("open_choices_max", 0, "at least one"), ("open_choices_min_images", 0, "at least 1")):
         broken = copy.deepcopy(settings)
         setattr(broken.decoder, name, value)
         with pytest.raises(OpenAnswersError, match=match):
@@ -144,11 +155,17 @@ def test_the_shipped_file_holds_the_training_questions_of_the_images_not_held_ou
     settings = load_settings("offline")
     shipped = OpenAnswers.load(settings.decoder.open_answers)
     assert shipped.meta["holdout_percent"] == "15" and "slake:train" in json.loads(shipped.meta["data"])
-    assert shipped.digest == content_digest(shipped.questions, shipped.answers)
+    assert shipped.digest == content_digest(shipped.questions, shipped.answers, shipped.images)
     found = shipped.find("What modality is used to take this image?", 0.96, 32)
     assert {"CT", "MRI"} <= set(found.answers) and found.similarity == 1.0
-    assert all(normal not in ("yes", "no") for row in shipped.answers for normal, _ in
-               [(answer.lower(), count) for answer, count in row])
+    assert all(answer.lower() not in ("yes", "no") and 1 <= images <= count
+               for row in shipped.answers for answer, count, images in row)
+    assert all(images >= max(row_images for _, _, row_images in row) for row, images in zip(shipped.answers, shipped.images))
+    # Matching ignores case; an answer given for one image only is never scored.
+    assert shipped.find("what modality is used to take this image", 1.0, 8) == found
+    assert all(images >= 2 for q in shipped.questions[:200] if (c := shipped.find(q, 1.0, 8)) is not None
+               for images in [shipped.answers[shipped.questions.index(c.nearest)][c.answers.index(a)][2]
+                              for a in c.answers])
 
 
 @pytest.fixture(scope="module")
@@ -171,19 +188,17 @@ def test_an_open_question_like_a_training_one_is_answered_among_its_answers(choi
     chosen = done.open_choice
     assert done.answer in ("Left", "Right") and chosen["answer"] == done.answer
     assert chosen["nearest"] == "Where is the liver?" and chosen["similarity"] == 1.0 and chosen["choices"] == 2
-    assert chosen["asked"] == 12
+    assert chosen["images"] == 9
     assert chosen["runner_up"] in ("Left", "Right") and chosen["runner_up"] != done.answer and chosen["margin"] >= 0
     # The decoder's own scores of the answers, after the same prompt and image: the best is the answer.
     prompt = choices_pipeline.prompts.build("Where is the liver?")
     scores = choices_pipeline.option_scores(image, prompt, ["Left", "Right"])
     prior = choices_pipeline.settings.decoder.open_choices_prior
     assert done.answer == ["Left", "Right"][choose(scores, (9, 3), prior)[0]] and chosen["prior"] == prior
-    assert choice_note(chosen).startswith("The language model chose this answer, reading this image, among the 2 "
-                                          "answers training data gave most often to the same question, asked 12 times in training")
-    # One answer is no choice: the note says it was not read from the image.
-    lone = choice_note(dict(chosen, choices=1, runner_up=None, margin=None))
-    assert lone.startswith("Training data gave only this answer to the same question, asked 12 times in training, so it was "
-                           "not chosen by reading this image")
+    assert choice_note(chosen).startswith("Chosen by the language model among the 2 answers training data gave most "
+                                          "often to the same question, asked of 9 images in training: each scored "
+                                          "with this image; not written freely.")
+    assert "weighted toward the answers given most often; not" in choice_note(dict(chosen, prior=0.5))
     assert done.closed is None and done.head_open is None
 
 
@@ -204,34 +219,39 @@ def test_the_page_and_transcript_say_the_answer_was_chosen_among_training_answer
     from medvqa.ui.session import _Answer
 
     chosen = {"answer": "Left", "nearest": "Where is the <b>liver</b>?", "similarity": 0.97, "min_similarity": 0.96,
-              "choices": 7, "asked": 30, "prior": 0.5, "runner_up": "Right", "margin": 0.3}
+              "choices": 7, "images": 30, "prior": 0.5, "runner_up": "Right", "margin": 0.3}
     scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
     answer = _Answer("Where is the liver?", scan=scan, passages=[], text="Left", open_choice=chosen)
     page = _render_answer(answer, final=True)
-    assert "chose this answer, reading this image, among the 7 answers training data gave most often to the training " \
-           "question most like yours, \u201cWhere is the &lt;b&gt;liver&lt;/b&gt;?\u201d, asked 30 times in training;" in page
+    assert "Chosen by the language model among the 7 answers training data gave most often to the training question " \
+           "most like yours, \u201cWhere is the &lt;b&gt;liver&lt;/b&gt;?\u201d, asked of 30 images in training:" in page
     turn = answer.record()
     assert turn["answered_by"]["answerer"] == "decoder_choice" and turn["answered_by"]["choices"] == 7
     assert turn["answered_by"]["nearest_training_question"] == "Where is the <b>liver</b>?"
     answer.open_choice = None
-    assert "chose this answer" not in _render_answer(answer, final=True) and "answered_by" not in answer.record()
+    assert "Chosen by the language model" not in _render_answer(answer, final=True) and "answered_by" not in answer.record()
 
 
 def test_the_tuning_grid_gives_each_question_the_answer_the_app_would_give():
     from tune_open_choices import answer, needs_written, recall
 
-    chosen = {"similarity": 1.0, "asked": 12, "answers": ["Left", "Right"], "counts": [9, 3], "real": [-2.0, -1.0],
-              "shuffled": [-1.0, -2.0], "written": {"real": "the liver", "shuffled": "kidney"}, "reference": "Right"}
-    # Scored: the decoder's best, or the most frequent once the prior outweighs the scores.
+    chosen = {"similarity": 1.0, "exact": True, "answers": ["Left", "Right", "Centre"], "counts": [9, 3, 1],
+              "images": [7, 2, 1], "real": [-2.0, -1.0, 0.0], "shuffled": [-1.0, -2.0, 0.0],
+              "written": {"real": "the liver", "shuffled": "kidney"}, "reference": "Right"}
+    # Scored: the decoder's best of the answers given for 2 images or more, or the most frequent once the
+    # prior outweighs the scores.
     assert answer(chosen, "real", 0.0, 8, 1.0, 2) == "Right" and answer(chosen, "shuffled", 0.0, 8, 1.0, 2) == "Left"
+    assert answer(chosen, "real", 0.0, 8, 1.0, 1) == "Centre"
     assert answer(chosen, "real", 1.0, 8, 1.0, 2) == "Left"  # -2 + log 9 > -1 + log 3
-    # Only the first max_answers are read; below the similarity or the times asked, the written answer.
-    assert answer(chosen, "real", 0.0, 1, 1.0, 2) == "Left"
-    assert answer(dict(chosen, similarity=0.95), "real", 0.0, 8, 0.96, 2) == "the liver"
-    assert answer(chosen, "real", 0.0, 8, 1.0, 13) == "the liver"
+    # Fewer than two answers left, not the same words at 1.0, or below the similarity: the written answer.
+    assert answer(chosen, "real", 0.0, 1, 1.0, 2) == "the liver"
+    assert answer(chosen, "real", 0.0, 8, 1.0, 3) == "the liver"
+    assert answer(dict(chosen, exact=False, similarity=1.00001), "real", 0.0, 8, 1.0, 2) == "the liver"
+    assert answer(dict(chosen, exact=False, similarity=0.95), "real", 0.0, 8, 0.96, 2) == "the liver"
+    assert answer(dict(chosen, exact=False, similarity=0.97), "real", 0.0, 8, 0.96, 2) == "Right"
     assert recall([chosen], "real", 0.0, 8, 1.0, 2) == 1.0 and recall([chosen], "shuffled", 0.0, 8, 1.0, 2) == 0.0
-    assert needs_written(dict(chosen, similarity=0.99), 100) and needs_written(chosen, 3)
-    assert not needs_written(chosen, 10)
+    assert needs_written(dict(chosen, exact=False)) and needs_written(chosen)  # at 3 images only "Left" is left
+    assert not needs_written(dict(chosen, images=[7, 5, 3]))
 
 
 def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(tmp_path, tiny_cache):
@@ -258,13 +278,13 @@ def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(
     out = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["open_choices"] == {"min_similarity": 1.0, "max": 8, "prior": 0.5, "min_asked": 2}
+    assert summary["open_choices"] == {"min_similarity": 1.0, "max": 4, "prior": 0.0, "min_images": 2}
     routes = summary["open_by_route"]
-    assert routes["chosen"]["n"] == 3 and routes["written"]["n"] == 3
+    assert routes["chosen"]["n"] == 3 and routes["not_chosen"]["n"] == 3
     assert set(routes["chosen"]) == {"n", "no_retrieval", "shuffled_image"}
     run = next((tmp_path / "runs").glob("*.jsonl"))
     digest = OpenAnswers.load(answers).digest
-    assert f"-choices1-8-0.5-a2-{digest[:8]}-" in run.name
+    assert f"-choices1-4-0-i2-{digest[:8]}-" in run.name
     kept = [json.loads(line) for line in run.read_text().splitlines()]
     assert all((row["open_choice"] is not None) == (row["question"] == "Where is the liver?") for row in kept)
     assert all(row["no_retrieval"] in ("Left", "Right") for row in kept if row["open_choice"])
