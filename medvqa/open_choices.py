@@ -185,8 +185,9 @@ def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:
     if decoder.open_choices_min_images < 1:
         raise OpenAnswersError(f"decoder.open_choices_min_images is {decoder.open_choices_min_images}; it counts the "
                                "images training gave an answer for, at least 1")
-    if decoder.open_choices_max < 1:
-        raise OpenAnswersError(f"decoder.open_choices_max is {decoder.open_choices_max}; at least one answer is scored")
+    if decoder.open_choices_max < 2:
+        raise OpenAnswersError(f"decoder.open_choices_max is {decoder.open_choices_max}; at least two answers are scored "
+                               "(with one there is nothing to choose among)")
     if not scores_options:
         logging.getLogger(__name__).info("decoder.open_choices: the %r engine cannot score answers; open questions "
                                          "are generated", decoder.engine)

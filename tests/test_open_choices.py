@@ -141,7 +141,7 @@ def test_settings_are_checked_and_an_engine_that_cannot_score_generates(tmp_path
         assert load_open_answers(settings, scores_options=False) is None
     assert "cannot score answers" in caplog.text
     for name, value, match in (("open_choices_min_similarity", 1.5, "cosine similarity"),
-                               ("open_choices_max", 0, "at least one"), ("open_choices_min_images", 0, "at least 1")):
+                               ("open_choices_max", 1, "at least two"), ("open_choices_min_images", 0, "at least 1")):
         broken = copy.deepcopy(settings)
         setattr(broken.decoder, name, value)
         with pytest.raises(OpenAnswersError, match=match):
