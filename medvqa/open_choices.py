@@ -10,7 +10,7 @@ training data gave to the training question most like the clinician's, and the b
 A question unlike every training question ("Describe the findings in this scan.") is generated as before.
 
     answers = OpenAnswers.load("weights/offline/open_answers.safetensors")
-    answers.find("Where is the liver?", min_similarity=1.0, max_answers=8, min_images=2)
+    answers.find("Where is the liver?", min_similarity=1.0, max_answers=4, min_images=2)
     # Choices(nearest="Where is the liver?", similarity=1.0, answers=("Left", "Right", ...), counts=(41, 12, ...), images=...)
 
 Only answers training gave for at least `decoder.open_choices_min_images` different images are candidates (an
@@ -61,6 +61,17 @@ def choose(scores: list[float], counts: tuple[int, ...] | list[int], prior: floa
     log(count); the first (most frequent) answer wins a tie."""
     combined = [float(score) + prior * math.log(max(int(count), 1)) for score, count in zip(scores, counts)]
     return int(np.argmax(combined)), combined
+
+
+def chosen(choices: Choices, scores: list[float], decoder) -> dict:
+    """Done.open_choice: the answer among `choices` that the decoder's `scores` (mean log-probabilities, one per
+    answer) and decoder.open_choices_prior pick, with the runner-up and the margin to it."""
+    best, combined = choose(scores, choices.counts, decoder.open_choices_prior)
+    runner_up = max((k for k in range(len(combined)) if k != best), key=lambda k: combined[k])  # find() gives two or more
+    return {"answer": choices.answers[best], "nearest": choices.nearest, "similarity": choices.similarity,
+            "min_similarity": decoder.open_choices_min_similarity, "choices": len(choices.answers),
+            "images": choices.images, "prior": decoder.open_choices_prior, "runner_up": choices.answers[runner_up],
+            "margin": combined[best] - combined[runner_up]}
 
 
 class OpenAnswers:

@@ -42,7 +42,7 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
-from .open_choices import choose, load_open_answers
+from .open_choices import chosen, load_open_answers
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
 
@@ -374,7 +374,8 @@ class Pipeline(ClosedQuestions):
             pieces = iter([head_open["answer"]])  # the answer head's (decoder.open_answerer)
         elif choices is not None:
             # The best of the answers training gave to the nearest training question (decoder.open_choices).
-            open_choice = self._open_choice(request, choices)
+            scores = self.engine.score_options(request, [self.prompts.answer_ids(a) for a in choices.answers])
+            open_choice = chosen(choices, scores, self.settings.decoder)
             pieces = iter([open_choice["answer"]])
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
@@ -415,19 +416,6 @@ class Pipeline(ClosedQuestions):
         # own words to prefill.
         if warm and self.settings.decoder.warm_next_turn:
             self._warm(conversation)
-
-    def _open_choice(self, request: EngineRequest, choices) -> dict:
-        """Done.open_choice: the decoder's scores of `choices` (open_choices.Choices) after `request`'s prompt."""
-        prior = self.settings.decoder.open_choices_prior
-        scores = self.engine.score_options(request, [self.prompts.answer_ids(answer) for answer in choices.answers])
-        best, combined = choose(scores, choices.counts, prior)
-        others = [k for k in np.argsort(combined)[::-1] if k != best]
-        runner_up = int(others[0]) if others else None
-        return {"answer": choices.answers[best], "nearest": choices.nearest, "similarity": choices.similarity,
-                "min_similarity": self.settings.decoder.open_choices_min_similarity, "choices": len(choices.answers),
-                "images": choices.images,
-                "prior": prior, "runner_up": choices.answers[runner_up] if runner_up is not None else None,
-                "margin": combined[best] - combined[runner_up] if runner_up is not None else None}
 
     def _head_open(self, conversation: Conversation, question: str) -> dict:
         """The answer head's reading of an open question (Done.head_open): it answers when its

@@ -13,7 +13,7 @@ import pytest
 
 from medvqa.answer_head import QUESTION_EMBEDDER
 from medvqa.config import REPO_ROOT, load_settings
-from medvqa.open_choices import (Choices, OpenAnswers, OpenAnswersError, choice_note, choose, content_digest,
+from medvqa.open_choices import (Choices, OpenAnswers, OpenAnswersError, choice_note, choose, chosen, content_digest,
                                  load_open_answers)
 from medvqa.pipeline import Pipeline
 
@@ -95,6 +95,12 @@ def test_the_score_adds_the_prior_times_the_log_count_and_a_tie_goes_to_the_most
     best, combined = choose([-1.0, -0.9], (100, 1), prior=0.5)
     assert best == 0 and combined[0] == pytest.approx(-1.0 + 0.5 * np.log(100))
     assert choose([-1.0, -1.0], (3, 3), prior=1.0)[0] == 0
+    # The record the pipeline keeps: the best, the runner-up and the margin between them.
+    decoder = SimpleNamespace(open_choices_prior=0.0, open_choices_min_similarity=1.0)
+    record = chosen(Choices("Where is the liver?", 1.0, ("Left", "Right", "Centre"), (9, 3, 2), 9), [-2.0, -0.5, -1.0],
+                    decoder)
+    assert (record["answer"], record["runner_up"], record["margin"]) == ("Right", "Centre", 0.5)
+    assert record["choices"] == 3 and record["images"] == 9 and record["prior"] == 0.0
 
 
 def test_a_file_is_refused_when_it_is_missing_unreadable_or_of_another_embedder(tmp_path):
