@@ -53,6 +53,10 @@ PRESUPPOSED = "presupposed"
 # margin is the head's Yes-minus-No logit, fitted on its own.
 HEAD = "head"
 KINDS = (YES_NO, CHOICE, PRESUPPOSED, HEAD)
+# An open answer the decoder chose among training answers (medvqa/open_choices.py): its margin is the chosen
+# answer's score over the runner-up's, fitted in a file of its own (scripts/calibrate_open.py,
+# decoder.open_calibration).
+OPEN_CHOICE = "open choice"
 
 # Image groups a calibration may be fitted for (image_group).
 COLOUR = "colour"
@@ -244,6 +248,26 @@ class Calibration:
                     f"{float(yes_bias):g}; refit it with scripts/calibrate_closed.py")
         return ""
 
+    def unusable_for_open(self, projector_sha256: str | None, open_choices: dict) -> str:
+        """Why this file does not describe the open answers chosen among training answers by a model with this
+        projector file and these `open_choices` settings (scripts/calibrate_open.py's open_choices_meta: the
+        open answers file's digest, min_similarity, max, min_images, prior); "" when it does."""
+        if self.meta.get("kind") != OPEN_CHOICE:
+            return "not fitted for open answers chosen among training answers; fit one with scripts/calibrate_open.py"
+        fitted = self.meta.get("projector_sha256")
+        if fitted and fitted != projector_sha256:
+            loaded = f"projector {projector_sha256[:12]}…" if projector_sha256 else "no projector file"
+            return (f"fitted with projector {fitted[:12]}… and this model has {loaded}; "
+                    "refit it with scripts/calibrate_open.py")
+        recorded = self.meta.get("open_choices") or {}
+        for key, value in open_choices.items():
+            if recorded.get(key) != value:
+                setting = "the open answers file" if key == "open_answers_sha256" else f"decoder.open_choices_{key}"
+                shown = (lambda v: f"{str(v)[:12]}…") if key == "open_answers_sha256" else (lambda v: f"{v}")
+                return (f"fitted with {setting} {shown(recorded.get(key))} and this profile uses {shown(value)}; "
+                        "refit it with scripts/calibrate_open.py")
+        return ""
+
     def confidence(self, margin: float, kind: str, strength: float | None = None) -> float | None:
         """P(right) for an answer of `kind` with `margin`; with a fit that weighs the answer head's reading,
         `strength` is how firmly the head read the question (|Yes − No| logit) and None gives None (the
@@ -319,6 +343,24 @@ def calibration_for(path: str, projector_sha256: str | None, yes_bias: float,
     return calibration
 
 
+def open_calibration_for(path: str, projector_sha256: str | None, open_choices: dict) -> Calibration:
+    """load_calibration(path) for open answers chosen among training answers (decoder.open_calibration), or an
+    empty calibration whose `unused` says why when the file was fitted for another projector, open answers
+    file or open_choices settings (logged)."""
+    if path and not Path(path).is_file():
+        log.warning("no open-answer calibration at %s: chosen open answers are shown without a confidence", path)
+        return Calibration()
+    calibration = load_calibration(path)
+    if not calibration.fits and not calibration.meta:
+        return calibration
+    reason = calibration.unusable_for_open(projector_sha256, open_choices)
+    if reason:
+        log.warning("open-answer calibration %s not used: it was %s; chosen open answers are shown without a "
+                    "confidence", path, reason)
+        return Calibration(unused=reason)
+    return calibration
+
+
 def fit_platt(margins, correct, strength=None, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, ...]:
     """Logistic regression of `correct` (0/1) on `margin` (and on the answer head's `strength`, when
     given) by Newton's method, with a small ridge on the slopes so that a feature that predicts nothing
@@ -357,11 +399,13 @@ def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) 
 
 
 def leaning_text(verdict: Verdict) -> str:
-    """The answer shown instead of a closed answer the model cannot be trusted on."""
+    """The answer shown instead of an answer the model cannot be trusted on (a closed one, or an open one chosen
+    among training answers), its first letter raised and the rest as written ("CT" stays "CT")."""
+    choice = verdict.choice[:1].upper() + verdict.choice[1:]
     if verdict.held_out is not None:
-        return (f"Uncertain — the model cannot tell from this image (it leans to {verdict.choice.capitalize()}; "
+        return (f"Uncertain — the model cannot tell from this image (it leans to {choice}; "
                 f"{held_out_text(verdict.held_out)}).")
-    return (f"Uncertain — the model cannot tell from this image (it leans to {verdict.choice.capitalize()}, "
+    return (f"Uncertain — the model cannot tell from this image (it leans to {choice}, "
             f"estimated {verdict.confidence:.0%} likely to be right).")
 
 

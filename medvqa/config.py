@@ -150,6 +150,13 @@ class DecoderConfig:
     # condition of the patient?" -> "Blind loop syndrome"), which would otherwise be given for every image.
     open_choices_min_images: int = 2
     open_choices_prior: float = 0.0
+    # Confidence of open answers chosen among training answers: scripts/calibrate_open.py's fit of how often
+    # they are right given the chosen answer's margin over the runner-up, per image group, on held-out
+    # training images; below its out-of-fold threshold (or min_confidence) the app says "Uncertain" and
+    # names the answer it leans to, as for closed answers (decoder.abstain). "" = none: the app says their
+    # confidence is not measured. Used only with the projector, open answers file and open_choices_*
+    # settings it names.
+    open_calibration: str = ""
     # Also score a closed question's options with a neutral (blank) image, and say when the answer does
     # not depend on the image (trust.image_reliance).
     image_reliance: bool = True
@@ -294,7 +301,8 @@ def _offline_profile(cache_dir: str) -> Settings:
                               # answers training gave them (docs/evaluation.md, "Open questions answered
                               # among training answers"); scripts/tune_open_choices.py chose the settings.
                               open_choices="training_answers",
-                              open_answers=str(REPO_ROOT / "weights" / "offline" / "open_answers.safetensors")),
+                              open_answers=str(REPO_ROOT / "weights" / "offline" / "open_answers.safetensors"),
+                              open_calibration=str(REPO_ROOT / "weights" / "offline" / "calibration-open.json")),
         # Measured on VQA-RAD test / SLAKE validate: with passages in its prompt the 135M decoder
         # (its projector trained without them) loses closed accuracy and open recall, so passages are
         # shown to the clinician as related literature but not given to this model.

@@ -49,6 +49,10 @@ class Choices:
     counts: tuple[int, ...]  # how often training gave each to `nearest`
     images: int = 0  # of how many different images training asked `nearest`
 
+    def share(self, answer: str) -> float:
+        """`answer`'s share of how often training gave these answers to `nearest` (how usual an answer it is)."""
+        return self.counts[self.answers.index(answer)] / sum(self.counts)
+
 
 def content_digest(questions: list[str], answers: list[list[list]], images: list[int] | None = None) -> str:
     """SHA-256 of the questions, their answers with counts and images, and each question's images (what a
@@ -71,7 +75,43 @@ def chosen(choices: Choices, scores: list[float], decoder) -> dict:
     return {"answer": choices.answers[best], "nearest": choices.nearest, "similarity": choices.similarity,
             "min_similarity": decoder.open_choices_min_similarity, "choices": len(choices.answers),
             "images": choices.images, "prior": decoder.open_choices_prior, "runner_up": choices.answers[runner_up],
-            "margin": combined[best] - combined[runner_up]}
+            "margin": combined[best] - combined[runner_up], "share": choices.share(choices.answers[best])}
+
+
+def judged(record: dict, calibration, group: str, decoder) -> dict:
+    """`record` (chosen()) with how likely it is to be right and whether the app says "Uncertain" instead: the
+    open-answer calibration (decoder.open_calibration, scripts/calibrate_open.py) of the image's `group`
+    (confidence.image_group) turns the margin (and, for a fit that weighs it, the chosen answer's training
+    share) into a confidence, with the out-of-fold share right of its bin
+    ("held_out"); below the threshold the file chose out of fold (decoder.min_confidence without one; never
+    for a group the file marks answered by no threshold) the answer is withheld (decoder.abstain). Without a
+    usable file the confidence is None and nothing is withheld ("uncalibrated": why the file is not used)."""
+    from .confidence import OPEN_CHOICE
+
+    part = calibration.for_group(group) if calibration.groups else calibration
+    # A fit may also weigh how usual the chosen answer is (the log of its share; calibrate_open.py --share).
+    usual = math.log(record["share"]) if record.get("share") else None
+    confidence = part.confidence(record["margin"], OPEN_CHOICE, usual)
+    threshold = part.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
+    return {**record, "confidence": confidence, "held_out": part.held_out(confidence),
+            "abstained": bool(decoder.abstain and confidence is not None and confidence < threshold),
+            **({"uncalibrated": calibration.unused} if calibration.unused else {})}
+
+
+def leaning(record: dict) -> str:
+    """What the app says instead of a chosen open answer it withholds (judged()'s "abstained")."""
+    from .confidence import OPEN_CHOICE, Verdict, leaning_text
+
+    return leaning_text(Verdict(record["answer"], record["margin"], OPEN_CHOICE, record["confidence"], True,
+                                record.get("held_out")))
+
+
+def fitted_settings(decoder, digest: str) -> dict:
+    """The settings a chosen answer's margin depends on, as an open-answer calibration records them: the open
+    answers file (its content digest) and decoder.open_choices_*."""
+    return {"open_answers_sha256": digest, "min_similarity": decoder.open_choices_min_similarity,
+            "max": decoder.open_choices_max, "min_images": decoder.open_choices_min_images,
+            "prior": decoder.open_choices_prior}
 
 
 class OpenAnswers:
@@ -176,8 +216,22 @@ def choice_note(record: dict | None) -> str:
     images = f", asked of {record['images']} images in training" if record.get("images") else ""
     weighted = ", weighted toward the answers given most often" if record.get("prior") else ""
     return (f"Chosen by the language model among the {record['choices']} answers training data gave most often to "
-            f"{like}{images}: each scored with this image{weighted}; not written freely. How often such answers are "
-            "right is not measured per answer.")
+            f"{like}{images}: each scored with this image{weighted}; not written freely. {_confidence(record)}")
+
+
+def _confidence(record: dict) -> str:
+    """The sentence on how often such an answer is right (a withheld answer's leaning already says it)."""
+    from .confidence import held_out_text
+
+    if record.get("abstained"):
+        return "It is not given as the answer: on held-out training images, answers like it were right too rarely."
+    if record.get("held_out"):
+        return f"Confidence: {held_out_text(record['held_out'])}."
+    if record.get("confidence") is not None:
+        return f"Confidence: estimated {record['confidence']:.0%} likely to be right."
+    if record.get("uncalibrated"):
+        return f"How often such answers are right is not measured for this model (the calibration file was {record['uncalibrated']})."
+    return "How often such answers are right is not measured for this model."
 
 
 def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:

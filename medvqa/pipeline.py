@@ -34,7 +34,7 @@ import torch
 
 from .answers import closed_candidates
 from .closed import ClosedQuestions, load_answer_head
-from .confidence import HEAD, calibration_for, image_group, leaning_text
+from .confidence import HEAD, calibration_for, image_group, leaning_text, open_calibration_for
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -42,7 +42,7 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
-from .open_choices import chosen, load_open_answers
+from .open_choices import chosen, fitted_settings, judged, leaning, load_open_answers
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
 
@@ -88,8 +88,10 @@ class Done:
     # With decoder.open_choices "training_answers", an open answer the decoder chose among the answers
     # training gave to the question most like this one: {"answer", "nearest" (that training question),
     # "similarity", "min_similarity", "choices" (how many were scored), "images" (of how many images training
-    # asked that question), "prior", "runner_up" (the next best
-    # answer, or None), "margin" (their score difference)}; None for an answer written freely.
+    # asked that question), "prior", "runner_up" (the next best answer), "margin" (their score difference),
+    # "confidence" (decoder.open_calibration's; None without a usable file), "held_out" (its out-of-fold bin),
+    # "abstained" (the app said "Uncertain" and named this answer as its leaning), and "uncalibrated" (why the
+    # file is not used) when it is not}; None for an answer written freely.
     open_choice: dict | None = None
 
 
@@ -214,6 +216,11 @@ class Pipeline(ClosedQuestions):
         # decoder.open_choices "training_answers": an open question worded like a training question is
         # answered by the decoder scoring the answers training gave to it (medvqa/open_choices.py).
         self.open_answers = load_open_answers(settings, engine.scores_options)
+        # How often a chosen open answer is right (decoder.open_calibration): only a file fitted for this
+        # projector, open answers file and open_choices settings.
+        self.open_calibration = (open_calibration_for(
+            settings.decoder.open_calibration, model.projector.sha256 if model else None,
+            fitted_settings(settings.decoder, self.open_answers.digest)) if self.open_answers is not None else None)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
@@ -375,8 +382,10 @@ class Pipeline(ClosedQuestions):
         elif choices is not None:
             # The best of the answers training gave to the nearest training question (decoder.open_choices).
             scores = self.engine.score_options(request, [self.prompts.answer_ids(a) for a in choices.answers])
-            open_choice = chosen(choices, scores, self.settings.decoder)
-            pieces = iter([open_choice["answer"]])
+            open_choice = judged(chosen(choices, scores, self.settings.decoder), self.open_calibration,
+                                 conversation.image_group, self.settings.decoder)
+            # Below the calibrated confidence the app says so, with its leaning, instead of answering.
+            pieces = iter([leaning(open_choice) if open_choice["abstained"] else open_choice["answer"]])
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
@@ -391,7 +400,7 @@ class Pipeline(ClosedQuestions):
         answer = "".join(answer_parts).strip()
         timings.setdefault("ttft_s", time.perf_counter() - start)
         # An "Uncertain" answer asserts nothing: its sources are about the question.
-        claimed = "" if closed and closed["abstained"] else answer
+        claimed = "" if (closed and closed["abstained"]) or (open_choice and open_choice["abstained"]) else answer
         asserted = claim(question, claimed)
         if not in_prompt:
             shown = sources(claim_query(question, claimed, asserted))

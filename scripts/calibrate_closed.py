@@ -438,8 +438,10 @@ def distinct_images(paths: list[str]) -> int:
     return len({content_hash(path) if Path(path).is_file() else path for path in set(paths)})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_held_out_arguments(parser: argparse.ArgumentParser, scores: str, setting: str) -> None:
+    """The profile and engine to score with, the training data and hold-out as train_projector.py takes them, the
+    file to write (by default the profile's decoder.`setting`), where the scores are kept (`scores`), and the target
+    accuracy (this script's and calibrate_open.py's)."""
     parser.add_argument("--profile", default="offline", choices=sorted(PROFILES))
     parser.add_argument("--engine", default="", help="decoder engine (default: the profile's choice)")
     parser.add_argument("--data", nargs="+", default=["vqa-rad:train", "slake:train"],
@@ -448,11 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-by-image", action="store_true", help="as given to train_projector.py")
     parser.add_argument("--holdout-percent", type=float, default=0.0, help="as given to train_projector.py")
     parser.add_argument("--seed", type=int, default=0, help="as given to train_projector.py")
-    parser.add_argument("--out", default=None, help="calibration file (default: the profile's decoder.calibration)")
-    parser.add_argument("--scores", default="runs/calibrate-closed-scores.npz")
+    parser.add_argument("--out", default=None, help=f"calibration file (default: the profile's decoder.{setting})")
+    parser.add_argument("--scores", default=scores)
     parser.add_argument("--reuse", action="store_true", help="refit from the saved scores")
     parser.add_argument("--target-accuracy", type=float, default=0.8,
                         help="the out-of-fold accuracy of answered questions the abstention threshold is chosen for")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_held_out_arguments(parser, "runs/calibrate-closed-scores.npz", "calibration")
     parser.add_argument("--head-agreement", action="store_true",
                         help="also fit, within each image group, the decoder's yes/no answers the encoder's answer "
                              "head agrees with and those it does not apart (used with decoder.head_agreement)")

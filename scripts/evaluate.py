@@ -17,6 +17,7 @@ to a JSONL file so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import random
@@ -30,11 +31,12 @@ from tqdm import tqdm
 
 from medvqa.answers import (CLOSED_DECODING, closed_candidates, closed_correct, first_yes_no, open_exact,
                             open_recall)
-from medvqa.confidence import HEAD, NEVER, PRESUPPOSED
+from medvqa.confidence import HEAD, NEVER, PRESUPPOSED, image_group
 from medvqa.config import PROFILES, load_settings, resolve_path
 from medvqa.datasets import VQAExample, load_examples, read_image
 from medvqa.engines import engine_label
 from medvqa.model import BLANK_IMAGE
+from medvqa.open_choices import judged
 from medvqa.pipeline import Pipeline
 from medvqa.presuppose import KINDS as PRESUPPOSED_KINDS
 
@@ -341,6 +343,8 @@ def main() -> None:
                                # written by the decoder, or scored over the options they name, or the head's
                                ("not_chosen", [r for r in open_rows if not r.get("open_choice")]))
             if mine}
+    if pipeline.open_calibration is not None and any(r.get("open_choice") for r in open_rows):
+        summary["open_abstention"] = open_abstention(examples, rows, pipeline, settings, main_condition, image)
     if pipeline.head_closes:
         summary["closed_by_answerer"] = {
             name: {"n": len(mine), "accuracy": round(score(mine, main_condition)["closed_accuracy"], 4),
@@ -354,6 +358,33 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
+
+
+def open_abstention(examples: list[VQAExample], rows: list[dict], pipeline: Pipeline, settings, main: str,
+                    image) -> dict:
+    """What the app does with the open answers it chose among training answers: judged by the open-answer
+    calibration in force now (decoder.open_calibration, each image by its group's fit and threshold), the share
+    it gives rather than saying "Uncertain", and their open recall and share right (every reference word)."""
+    if pipeline.open_calibration.unused or not (pipeline.open_calibration.fits or pipeline.open_calibration.groups):
+        return {"not_measured": pipeline.open_calibration.unused or "no open-answer calibration"}
+    judge = copy.copy(settings.decoder)
+    judge.abstain = True  # evaluate.py measures with abstention off; this is what the app would do
+    chosen = []
+    for example, r in zip(examples, rows):
+        if r.get("open_choice"):
+            # How usual the chosen answer is, from the answers file (rows kept from before it was recorded).
+            choices = pipeline.open_answers.find(example.question, judge.open_choices_min_similarity,
+                                                 judge.open_choices_max, judge.open_choices_min_images)
+            share = choices.share(r[main]) if choices is not None and r[main] in choices.answers else None
+            verdict = judged({"answer": r[main], "margin": r["open_choice"]["margin"], "share": share},
+                             pipeline.open_calibration, image_group(image(example.image)), judge)
+            r["open_confidence"], r["open_abstained"] = verdict["confidence"], verdict["abstained"]
+            chosen.append(r)
+    kept = [r for r in chosen if not r["open_abstained"]]
+    right = lambda mine: round(float(np.mean([open_recall(r[main], r["reference"]) >= 1.0 for r in mine])), 4)  # noqa: E731
+    return {"chosen": len(chosen), "answered": round(len(kept) / len(chosen), 4),
+            "recall_answered": round(score(kept, main)["open_recall"], 4) if kept else None,
+            "right_answered": right(kept) if kept else None, "right_chosen": right(chosen)}
 
 
 def _closed_kind(question: str) -> str:
@@ -424,6 +455,16 @@ def _print_table(summary: dict) -> None:
               f"closed questions{right}; it says \"Uncertain\" to the rest")
     if "abstention_not_measured" in summary:
         print(f"\nabstention not measured: the calibration file {summary['abstention_not_measured']}")
+    if "open_abstention" in summary:
+        held = summary["open_abstention"]
+        if "not_measured" in held:
+            print(f"\nopen answers chosen among training answers: abstention not measured ({held['not_measured']})")
+        else:
+            right = ("" if held["right_answered"] is None else
+                     f", {pct(held['right_answered'])} % of them right (recall {pct(held['recall_answered'])} %)")
+            print(f"\nof the {held['chosen']} open answers chosen among training answers "
+                  f"({pct(held['right_chosen'])} % right), the app gives {pct(held['answered'])} %{right}; "
+                  "it says \"Uncertain\" to the rest")
     if "retrieval_flips" in summary:
         flips = summary["retrieval_flips"]
         print(f"retrieval flips: right->wrong {flips['right_to_wrong']}, wrong->right {flips['wrong_to_right']}")

@@ -276,8 +276,15 @@ def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(
     (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     answers = tmp_path / "open.safetensors"
     _write(answers)
+    # An open-answer calibration for these answers: every chosen answer at sigmoid(0) = 0.5, below its 0.6.
+    calibration = tmp_path / "open.json"
+    calibration.write_text(json.dumps({
+        "fits": {"open choice": {"a": 0.0, "b": 0.0}}, "kind": "open choice", "projector_sha256": None,
+        "threshold": {"met": True, "min_confidence": 0.6},
+        "open_choices": {"open_answers_sha256": OpenAnswers.load(answers).digest, "min_similarity": 1.0, "max": 4,
+                         "min_images": 2, "prior": 0.0}}))
     env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), OMP_NUM_THREADS="1", MEDVQA_DECODER__OPEN_CHOICES="training_answers",
-               MEDVQA_DECODER__OPEN_ANSWERS=str(answers))
+               MEDVQA_DECODER__OPEN_ANSWERS=str(answers), MEDVQA_DECODER__OPEN_CALIBRATION=str(calibration))
     command = [sys.executable, "scripts/evaluate.py", "--profile", "tiny", "--dataset", "jsonl", "--data", str(data),
                "--split", "test", "--conditions", "no_retrieval", "shuffled_image", "--open-only",
                "--run-dir", str(tmp_path / "runs"), "--max-new-tokens", "4"]
@@ -288,6 +295,10 @@ def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(
     routes = summary["open_by_route"]
     assert routes["chosen"]["n"] == 3 and routes["not_chosen"]["n"] == 3
     assert set(routes["chosen"]) == {"n", "no_retrieval", "shuffled_image"}
+    # What the app would do with the chosen answers (measured with abstention off, judged when summarising).
+    withheld = summary["open_abstention"]
+    assert withheld["chosen"] == 3 and withheld["answered"] == 0 and withheld["recall_answered"] is None
+    assert "the app gives 0.0 %" in out.stdout
     run = next((tmp_path / "runs").glob("*.jsonl"))
     digest = OpenAnswers.load(answers).digest
     assert f"-choices1-4-0-i2-{digest[:8]}-" in run.name

@@ -183,7 +183,12 @@ class _Answer:
                 **({"answered_by": {"answerer": "decoder_choice", "note": chosen,
                                     "nearest_training_question": str(self.open_choice["nearest"]),
                                     "similarity": round(float(self.open_choice["similarity"]), 4),
-                                    "choices": int(self.open_choice["choices"])}}
+                                    "choices": int(self.open_choice["choices"]),
+                                    "chosen": str(self.open_choice["answer"]),
+                                    "abstained": bool(self.open_choice.get("abstained")),
+                                    "confidence": self.open_choice.get("confidence"),
+                                    **({"held_out": self.open_choice["held_out"]}
+                                       if self.open_choice.get("held_out") else {})}}
                    if (chosen := choice_note(self.open_choice)) else {}),
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}

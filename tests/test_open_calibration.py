@@ -1,0 +1,205 @@
+"""How likely an open answer chosen among training answers is to be right, and when the app says "Uncertain"
+instead (decoder.open_calibration, scripts/calibrate_open.py, open_choices.judged), with the tiny decoder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from medvqa.confidence import (COLOUR, GREY, OPEN_CHOICE, Calibration, Verdict, leaning_text,
+                               open_calibration_for)
+from medvqa.config import REPO_ROOT, load_settings
+from medvqa.open_choices import OpenAnswers, choice_note, fitted_settings, judged, leaning
+from medvqa.pipeline import Pipeline
+
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from test_open_choices import _write  # noqa: E402
+
+RECORD = {"answer": "CT", "nearest": "What modality is used to take this image?", "similarity": 1.0,
+          "min_similarity": 1.0, "choices": 3, "images": 80, "prior": 0.0, "runner_up": "MRI", "margin": 1.0,
+          "share": 0.5}
+
+
+def _decoder(**changes):
+    decoder = SimpleNamespace(abstain=True, min_confidence=0.7, threshold_from_calibration=True,
+                              open_choices_min_similarity=1.0, open_choices_max=4, open_choices_min_images=2,
+                              open_choices_prior=0.0)
+    return SimpleNamespace(**{**vars(decoder), **changes})
+
+
+def _part(group: str, fit, threshold: dict, reliability=()) -> dict:
+    return {"fits": {OPEN_CHOICE: dict(zip("abc", fit))}, "group": group, "threshold": threshold,
+            "out_of_fold": {"reliability": list(reliability)}}
+
+
+def _calibration(projector="p" * 64, digest="d" * 64, **settings) -> dict:
+    """An open-answer calibration: grey answers at 0.75 and above (a + b + c log share), colour answers never."""
+    return {"fits": {OPEN_CHOICE: {"a": 1.0, "b": 0.0}}, "kind": OPEN_CHOICE, "projector_sha256": projector,
+            "open_choices": {"open_answers_sha256": digest, "min_similarity": 1.0, "max": 4, "min_images": 2,
+                             "prior": 0.0, **settings},
+            "threshold": {"met": True, "min_confidence": 0.6},
+            "groups": {GREY: _part(GREY, (2.0, 0.0, 1.0), {"met": True, "min_confidence": 0.75},
+                                   [{"bin": "0.0-0.5", "n": 30, "accuracy": 0.3, "mean_confidence": 0.4},
+                                    {"bin": "0.5-0.8", "n": 40, "accuracy": 0.55, "mean_confidence": 0.6},
+                                    {"bin": "0.8-1.0", "n": 60, "accuracy": 0.85, "mean_confidence": 0.9}]),
+                       COLOUR: _part(COLOUR, (0.5, -2.0, 1.0), {"met": False, "min_confidence": None,
+                                                                "abstain": True})}}
+
+
+def test_a_chosen_answer_gets_its_image_groups_confidence_and_is_withheld_below_its_threshold(tmp_path):
+    path = tmp_path / "open.json"
+    path.write_text(json.dumps(_calibration()))
+    calibration = Calibration.load(path)
+    sigmoid = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    # Grey: sigmoid(2 x margin + log share); 0.5 share, margin 1 -> 0.79, given, with its out-of-fold bin.
+    given = judged(RECORD, calibration, GREY, _decoder())
+    assert given["confidence"] == pytest.approx(sigmoid(2.0 + math.log(0.5)))
+    assert not given["abstained"] and given["held_out"] == {"bin": "0.5-0.8", "accuracy": 0.55, "n": 40, "group": GREY}
+    assert given["answer"] == "CT" and given["margin"] == 1.0  # the record is kept
+    # A smaller margin falls below the group's 0.75; an answer usual for the question (share 1) rises above it.
+    low = judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder())
+    assert low["abstained"] and low["confidence"] == pytest.approx(sigmoid(0.6 + math.log(0.5)))
+    assert not judged(dict(RECORD, margin=0.6, share=1.0), calibration, GREY, _decoder())["abstained"]
+    # Colour images: the file found no threshold reaching its target, so every chosen answer is withheld.
+    assert judged(dict(RECORD, margin=30.0), calibration, COLOUR, _decoder())["abstained"]
+    # decoder.abstain off gives it, confidence and all; without the file's threshold, decoder.min_confidence.
+    assert not judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder(abstain=False))["abstained"]
+    assert not judged(dict(RECORD, margin=0.5, share=1.0), calibration, GREY,
+                      _decoder(threshold_from_calibration=False, min_confidence=0.7))["abstained"]
+    # No file: no confidence, nothing withheld, and the note says it is not measured.
+    bare = judged(RECORD, Calibration(), GREY, _decoder())
+    assert bare["confidence"] is None and not bare["abstained"] and bare["held_out"] is None
+    assert choice_note(bare).endswith("How often such answers are right is not measured for this model.")
+
+
+def test_the_answer_the_note_and_the_transcript_say_what_was_measured(tmp_path):
+    from medvqa.imaging import Scan
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+
+    path = tmp_path / "open.json"
+    path.write_text(json.dumps(_calibration()))
+    calibration = Calibration.load(path)
+    given = judged(RECORD, calibration, GREY, _decoder())
+    assert choice_note(given).endswith("not written freely. Confidence: answers like this were right 55 % of the time "
+                                       "on held-out grey training images (n = 40).")
+    withheld = judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder())
+    # The leaning keeps the answer's spelling ("CT", not "Ct") and says how often such answers were right.
+    assert leaning(withheld) == ("Uncertain — the model cannot tell from this image (it leans to CT; answers like "
+                                 "this were right 30 % of the time on held-out grey training images (n = 30)).")
+    assert "It is not given as the answer" in choice_note(withheld)
+    scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
+    answer = _Answer("What modality is used to take this image?", scan=scan, passages=[], text=leaning(withheld),
+                     open_choice=withheld)
+    turn = answer.record()
+    assert turn["answer"].startswith("Uncertain — ") and turn["answered_by"]["chosen"] == "CT"
+    assert turn["answered_by"]["abstained"] is True and turn["answered_by"]["held_out"]["n"] == 30
+    assert "It is not given as the answer" in _render_answer(answer, final=True)
+    # Closed leanings keep their spelling too; a lower-case option still starts with a capital.
+    assert "leans to Yes," in leaning_text(Verdict("yes", 0.1, "yes/no", 0.55, True))
+
+
+def test_a_file_fitted_for_another_model_or_other_choices_is_not_used(tmp_path, caplog):
+    path = tmp_path / "open.json"
+    settings = {"open_answers_sha256": "d" * 64, "min_similarity": 1.0, "max": 4, "min_images": 2, "prior": 0.0}
+    path.write_text(json.dumps(_calibration()))
+    assert open_calibration_for(str(path), "p" * 64, settings).groups
+    assert "projector" in open_calibration_for(str(path), "q" * 64, settings).unused
+    other = open_calibration_for(str(path), "p" * 64, dict(settings, max=8))
+    assert "decoder.open_choices_max 4 and this profile uses 8" in other.unused and not other.fits
+    assert "the open answers file" in open_calibration_for(str(path), "p" * 64,
+                                                           dict(settings, open_answers_sha256="e" * 64)).unused
+    closed = tmp_path / "closed.json"
+    closed.write_text(json.dumps({"fits": {"yes/no": {"a": 1.0, "b": 0.0}}}))
+    assert "not fitted for open answers" in open_calibration_for(str(closed), None, settings).unused
+    # An unused file: no confidence, nothing withheld, and the note says why.
+    note = choice_note(judged(RECORD, open_calibration_for(str(path), "q" * 64, settings), GREY, _decoder()))
+    assert "not measured for this model (the calibration file was fitted with projector" in note
+    missing = open_calibration_for(str(tmp_path / "none.json"), None, settings)
+    assert not missing.fits and not missing.unused and "no open-answer calibration" in caplog.text
+    assert fitted_settings(_decoder(open_choices_max=6), "d" * 64) == dict(settings, max=6)
+
+
+@pytest.fixture(scope="module")
+def calibrated_pipeline(tiny_pipeline, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("open-calibration")
+    _write(folder / "open.safetensors")
+    settings = copy.deepcopy(tiny_pipeline.settings)
+    settings.decoder.open_choices = "training_answers"
+    settings.decoder.open_answers = str(folder / "open.safetensors")
+    digest = OpenAnswers.load(folder / "open.safetensors").digest
+    body = _calibration(projector=tiny_pipeline.model.projector.sha256, digest=digest)
+    body["groups"][COLOUR]["fits"][OPEN_CHOICE] = {"a": 0.0, "b": 5.0}  # every colour answer at 0.99 ...
+    body["groups"][COLOUR]["threshold"] = {"met": True, "min_confidence": 0.5}  # ... and given
+    body["groups"][GREY]["fits"][OPEN_CHOICE] = {"a": 0.0, "b": -5.0}  # every grey answer at 0.01: withheld
+    (folder / "open.json").write_text(json.dumps(body))
+    settings.decoder.open_calibration = str(folder / "open.json")
+    return Pipeline(settings, tiny_pipeline.engine, tiny_pipeline.model)
+
+
+def test_the_pipeline_withholds_a_chosen_answer_below_its_threshold_and_gives_it_above(calibrated_pipeline):
+    assert not calibrated_pipeline.open_calibration.unused
+    grey = np.full((48, 48, 3), 90, np.uint8)
+    withheld = calibrated_pipeline.answer_done(grey, "Where is the liver?", use_retrieval=False)
+    choice = withheld.open_choice
+    assert choice["abstained"] and choice["answer"] in ("Left", "Right") and choice["confidence"] < 0.02
+    assert withheld.answer == leaning(choice) and f"leans to {choice['answer']};" in withheld.answer
+    colour = np.zeros((48, 48, 3), np.uint8)
+    colour[..., 0] = 200
+    given = calibrated_pipeline.answer_done(colour, "Where is the liver?", use_retrieval=False)
+    assert not given.open_choice["abstained"] and given.answer == given.open_choice["answer"]
+    assert given.open_choice["confidence"] > 0.99 and given.open_choice["share"] in (0.75, 0.25)
+    # A written answer and a closed one are judged as before.
+    assert calibrated_pipeline.answer_done(grey, "Describe the findings.", use_retrieval=False).open_choice is None
+
+
+def test_the_calibration_script_fits_each_image_group_out_of_fold_and_marks_one_reaching_no_target(tmp_path):
+    from calibrate_open import main
+
+    rng = np.random.default_rng(0)
+    n = 400
+    group = np.where(np.arange(n) < 250, GREY, COLOUR)
+    margin = rng.uniform(0, 3, n)
+    # Grey answers are right more often the larger the margin; colour answers are rarely right at all.
+    correct = np.where(group == GREY, rng.uniform(0, 1, n) < 1 / (1 + np.exp(-(2.5 * margin - 2))),
+                       rng.uniform(0, 1, n) < 0.1)
+    scores = {"margin": margin, "correct": correct, "recall": correct.astype(float), "share": rng.uniform(0.2, 1, n),
+              "image": np.asarray([f"im{i // 2}.png" for i in range(n)]), "group": group,
+              "data": np.where(group == GREY, "slake", "pathvqa"), "question": np.asarray(["q"] * n),
+              "reference": np.asarray(["a"] * n), "choice": np.asarray(["a"] * n), "runner_up": np.asarray(["b"] * n)}
+    np.savez(tmp_path / "scores.npz", **scores)
+    out = tmp_path / "open.json"
+    assert main(["--scores", str(tmp_path / "scores.npz"), "--reuse", "--out", str(out), "--holdout-percent", "15"]) == 0
+    body = json.loads(out.read_text())
+    settings = load_settings("offline")
+    assert body["kind"] == OPEN_CHOICE and body["features"] == ["margin", "log training share of the chosen answer"]
+    assert body["open_choices"] == fitted_settings(settings.decoder, OpenAnswers.load(settings.decoder.open_answers).digest)
+    assert set(body["groups"]) == {GREY, COLOUR}
+    assert body["groups"][GREY]["threshold"]["met"] and body["groups"][GREY]["fits"][OPEN_CHOICE]["a"] > 1
+    assert body["groups"][COLOUR]["threshold"]["abstain"] and not body["groups"][COLOUR]["threshold"]["met"]
+    by_data = body["app_out_of_fold"]["by_data"]
+    assert by_data["pathvqa"]["answered"] == 0 and by_data["slake"]["accuracy_answered"] >= 0.8
+    loaded = Calibration.load(out)
+    assert loaded.for_group(COLOUR).min_confidence(0.7) == math.inf
+    assert not loaded.unusable_for_open(body["projector_sha256"], body["open_choices"])
+    # The margin alone (--no-share) fits two parameters.
+    assert main(["--scores", str(tmp_path / "scores.npz"), "--reuse", "--out", str(out), "--no-share",
+                 "--holdout-percent", "15"]) == 0
+    assert set(json.loads(out.read_text())["groups"][GREY]["fits"][OPEN_CHOICE]) == {"a", "b"}
+
+
+def test_the_shipped_file_is_fitted_for_the_offline_profile():
+    settings = load_settings("offline")
+    body = json.loads((REPO_ROOT / "weights" / "offline" / "calibration-open.json").read_text())
+    digest = OpenAnswers.load(settings.decoder.open_answers).digest
+    projector = __import__("hashlib").sha256((REPO_ROOT / settings.projector.weights).read_bytes()).hexdigest()
+    assert not Calibration.load(settings.decoder.open_calibration).unusable_for_open(
+        projector, fitted_settings(settings.decoder, digest))
+    assert body["fitted_on"]["holdout_percent"] == 15.0 and set(body["groups"]) == {GREY, COLOUR}
