@@ -422,8 +422,9 @@ def confidence_text(closed: dict) -> str:
     return "not measured"
 
 
-def held_out_text(held_out: dict) -> str:
-    """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve."""
+def held_out_text(held_out: dict, subject: str = "answers like this") -> str:
+    """Verdict.held_out as the clinician reads it: a measured share with its count, not a fitted curve (of
+    `subject`: the answers in the confidence's bin, or those the sentence names)."""
     group = str(held_out.get("group") or "")
     base = group.removesuffix(WORDED).removesuffix(WORDED_OTHERWISE).removesuffix(AGREES).removesuffix(DISAGREES)
     images = {GREY: "grey training images", COLOUR: "training images with colour"}.get(base, "training images")
@@ -435,7 +436,7 @@ def held_out_text(held_out: dict) -> str:
         images += ", where the image encoder's own reading gave the same answer"
     elif group.endswith(DISAGREES):
         images += ", where the image encoder's own reading gave the other answer"
-    return (f"answers like this were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
+    return (f"{subject} were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
             f"{images} (n = {held_out['n']})")
 
 

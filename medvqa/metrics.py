@@ -51,6 +51,9 @@ class ServingMetrics:
             "medvqa:image_reliance_flags", "Closed answers flagged as not depending on the image.", registry=r)
         self.abstentions = Counter(
             "medvqa:abstentions", "Closed answers given as Uncertain (below decoder.min_confidence).", registry=r)
+        self.open_abstentions = Counter(
+            "medvqa:open_abstentions", "Open answers chosen among training answers given as Uncertain "
+            "(below the open-answer calibration's threshold).", registry=r)
         self.request_errors = Counter(
             "medvqa:request_errors", "Answers and uploads that failed, by kind.", ["kind"], registry=r)
         for kind in ERROR_KINDS:
@@ -87,8 +90,9 @@ class AnswerTracker:
             self.metrics.time_per_output_token.observe(now - self.last_piece)
         self.last_piece = now
 
-    def done(self, timings: dict, pieces: int, closed: dict | None) -> None:
-        """The answer is complete: `timings` as Done carries them, `pieces` of text streamed."""
+    def done(self, timings: dict, pieces: int, closed: dict | None, open_choice: dict | None = None) -> None:
+        """The answer is complete: `timings` as Done carries them, `pieces` of text streamed, `closed` and
+        `open_choice` as Done carries them."""
         metrics = self.metrics
         if metrics is None:
             return
@@ -104,6 +108,8 @@ class AnswerTracker:
             metrics.image_reliance_flags.inc()
         if closed and closed.get("abstained"):
             metrics.abstentions.inc()
+        if open_choice and open_choice.get("abstained"):
+            metrics.open_abstentions.inc()
 
     def close(self) -> None:
         """The answer ended (done, failed or stopped): it no longer counts as waiting or running."""

@@ -86,24 +86,38 @@ def judged(record: dict, calibration, group: str, decoder) -> dict:
     ("held_out"); below the threshold the file chose out of fold (decoder.min_confidence without one; never
     for a group the file marks answered by no threshold) the answer is withheld (decoder.abstain). Without a
     usable file the confidence is None and nothing is withheld ("uncalibrated": why the file is not used)."""
-    from .confidence import OPEN_CHOICE
+    from .confidence import NEVER, OPEN_CHOICE
 
     part = calibration.for_group(group) if calibration.groups else calibration
     # A fit may also weigh how usual the chosen answer is (the log of its share; calibrate_open.py --share).
     usual = math.log(record["share"]) if record.get("share") else None
     confidence = part.confidence(record["margin"], OPEN_CHOICE, usual)
     threshold = part.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
-    return {**record, "confidence": confidence, "held_out": part.held_out(confidence),
-            "abstained": bool(decoder.abstain and confidence is not None and confidence < threshold),
-            **({"uncalibrated": calibration.unused} if calibration.unused else {})}
+    abstained = bool(decoder.abstain and confidence is not None and confidence < threshold)
+    judged_record = {**record, "confidence": confidence, "held_out": part.held_out(confidence), "abstained": abstained,
+                     **({"uncalibrated": calibration.unused} if calibration.unused else {})}
+    withheld = part.meta.get("withheld_out_of_fold")
+    if abstained and withheld and (threshold == NEVER or threshold == part.meta["threshold"].get("min_confidence")):
+        # What the withheld answers of this part were worth out of fold (not the bin's figure: a bin may straddle
+        # the threshold, and a part no threshold answers may hold a few confident answers that were right).
+        judged_record["withheld"] = {**withheld, "every": threshold == NEVER, "group": part.group,
+                                     "target_accuracy": part.meta["threshold"].get("target_accuracy")}
+    return judged_record
 
 
 def leaning(record: dict) -> str:
-    """What the app says instead of a chosen open answer it withholds (judged()'s "abstained")."""
-    from .confidence import OPEN_CHOICE, Verdict, leaning_text
+    """What the app says instead of a chosen open answer it withholds (judged()'s "abstained"): the answer it leans
+    to and how often the answers withheld like it were right out of fold."""
+    from .confidence import OPEN_CHOICE, Verdict, held_out_text, leaning_text
 
-    return leaning_text(Verdict(record["answer"], record["margin"], OPEN_CHOICE, record["confidence"], True,
-                                record.get("held_out")))
+    withheld = record.get("withheld")
+    if not withheld:  # a file without that table, or a threshold other than the file's
+        return leaning_text(Verdict(record["answer"], record["margin"], OPEN_CHOICE, record["confidence"], True,
+                                    record.get("held_out")))
+    choice = record["answer"][:1].upper() + record["answer"][1:]
+    which = ("chosen answers about such images" if withheld["every"]
+             else "chosen answers with a confidence below the threshold")
+    return f"Uncertain — the model cannot tell from this image (it leans to {choice}; {held_out_text(withheld, which)})."
 
 
 def fitted_settings(decoder, digest: str) -> dict:
@@ -224,7 +238,13 @@ def _confidence(record: dict) -> str:
     from .confidence import held_out_text
 
     if record.get("abstained"):
-        return "It is not given as the answer: on held-out training images, answers like it were right too rarely."
+        withheld = record.get("withheld") or {}
+        target = f"{100 * withheld['target_accuracy']:.0f} %" if withheld.get("target_accuracy") else "often enough"
+        if withheld.get("every"):
+            return (f"It is not given as the answer: on held-out training images like this one, no confidence "
+                    f"picked out enough chosen answers that were right {target} of the time.")
+        return (f"It is not given as the answer: its confidence is below the threshold at which such answers were "
+                f"right {target} of the time on held-out training images.")
     if record.get("held_out"):
         return f"Confidence: {held_out_text(record['held_out'])}."
     if record.get("confidence") is not None:

@@ -416,7 +416,7 @@ class Pipeline(ClosedQuestions):
             closed.update(image_reliance(closed["options"], neutral_scores))
             timings["image_reliance_s"] = time.perf_counter() - began
         timings["total_s"] = time.perf_counter() - start
-        tracker.done(timings, len(answer_parts), closed)
+        tracker.done(timings, len(answer_parts), closed, open_choice)
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note,
                    head_open, open_choice)

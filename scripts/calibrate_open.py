@@ -12,15 +12,19 @@ answer is right when it holds every word of the reference (evaluate.py's open re
 "open choice" of a calibration file (medvqa/confidence.py), written to decoder.open_calibration; it names the
 projector, the open answers file and the open-choice settings, so the app uses it only with those.
 
-As for closed answers, the fit is also scored out of fold (5 folds by image): the app shows the clinician how
-often answers with such a confidence were right out of fold, and the threshold is the lowest on a grid
-(0.50-0.95) at which the answered questions (20 at least) are right --target-accuracy of the time out of fold.
-A group whose answers reach that accuracy at no threshold is marked `abstain`: the app says "Uncertain" to
-all of its chosen answers, naming the answer it leans to. Groups with fewer than --min-group questions get
-the pooled fit. Each fit also weighs the log of the chosen answer's share of the candidates' training counts
-(how usual an answer it is for that question): P(right) = sigmoid(a * margin + b + c * log share); out of fold
-it measured better than the margin alone (--no-share) in both image groups (docs/evaluation.md). The scores are kept (--scores) so that --reuse refits without the model. Never
-run it on a validation or test split. The last line is JSON.
+As for closed answers, the fit is also scored out of fold (5 folds drawn by image content: PathVQA repeats one
+image under many file names): the app shows the clinician how often answers with such a confidence were right
+out of fold, and the threshold is the lowest on a grid (0.50-0.95) at which the answered questions (20 at
+least) are right --target-accuracy of the time out of fold. A group whose answers reach that accuracy at no
+threshold is marked `abstain`: the app says "Uncertain" to all of its chosen answers, naming the answer it
+leans to. Each group also keeps how often the answers it withholds were right out of fold
+(`withheld_out_of_fold`), which is what a withheld answer says of itself. Groups with fewer than --min-group
+questions get the pooled fit. Each fit also weighs the log of the chosen answer's share of the candidates'
+training counts (how usual an answer it is for that question): P(right) = sigmoid(a * margin + b + c * log
+share); out of fold it measured better than the margin alone (--no-share) in both image groups
+(docs/evaluation.md). The scores are kept (--scores) with the projector, open answers file, open-choice
+settings, engine and hold-out they were made with, so that --reuse refits without the model, and only scores
+of the model and hold-out given now. Never run it on a validation or test split. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ from medvqa.config import load_settings
 from medvqa.confidence import NEVER, OPEN_CHOICE, Calibration, fit_platt, reliability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate_closed import (add_held_out_arguments, choose_threshold, distinct_images,  # noqa: E402
-                              risk_coverage, summary_at)
+from calibrate_closed import add_held_out_arguments, choose_threshold, risk_coverage, summary_at  # noqa: E402
 
 MIN_GROUP = 100  # fewer chosen answers about an image group than this: its images get the pooled fit
 FOLDS = 5
@@ -65,6 +68,7 @@ def score_held_out(args, settings) -> dict:
     from medvqa.confidence import image_group
     from medvqa.datasets import read_image
     from medvqa.pipeline import Conversation, Done, Pipeline
+    from medvqa_train.medical import content_hash
 
     settings.decoder.abstain = False
     settings.decoder.image_reliance = False
@@ -74,20 +78,23 @@ def score_held_out(args, settings) -> dict:
         raise SystemExit("this profile and engine answer no open question among training answers "
                          "(decoder.open_choices 'training_answers' with an engine that scores answers)")
     questions = held_out_open(args, pipeline.open_answers, settings.decoder)
-    rows = {key: [] for key in ("margin", "correct", "recall", "share", "image", "group", "data", "question",
-                                "reference", "choice", "runner_up")}
+    rows = {key: [] for key in ("margin", "correct", "recall", "share", "image", "content", "group", "data",
+                                "question", "reference", "choice", "runner_up")}
     for spec, example in tqdm(questions, desc="held-out open questions", unit="q", file=sys.stderr):
         conversation = Conversation(image=read_image(example.image))
         done = [e for e in pipeline.ask(conversation, example.question, use_retrieval=False, warm=False)
                 if isinstance(e, Done)][-1]
         pipeline.end_conversation(conversation, keep_image=True)
         chosen = done.open_choice
+        if chosen is None:  # answered by the encoder's answer head (decoder.open_answerer "encoder_head")
+            continue
         recall = open_recall(chosen["answer"], example.answer)
         rows["margin"].append(float(chosen["margin"]))
         rows["recall"].append(recall)
         rows["correct"].append(recall >= 1.0)
         rows["share"].append(float(chosen["share"]))
         rows["image"].append(str(example.image))
+        rows["content"].append(content_hash(example.image))
         rows["group"].append(image_group(conversation.image))
         rows["data"].append(spec)
         rows["question"].append(example.question)
@@ -114,13 +121,14 @@ def confidences(fit: tuple[float, ...], scores: dict, mask: np.ndarray, share: b
 
 
 def out_of_fold(scores: dict, mask: np.ndarray, share: bool, seed: int = 0) -> np.ndarray:
-    """Each masked question's confidence from a fit on the other folds (folds drawn by image)."""
+    """Each masked question's confidence from a fit on the other folds, drawn by image content (PathVQA repeats
+    one image under many file names: those must fall in one fold)."""
     import random
 
-    images = sorted(set(scores["image"][mask].tolist()))
+    images = sorted(set(scores["content"][mask].tolist()))
     random.Random(seed).shuffle(images)
     fold_of = {image: i % FOLDS for i, image in enumerate(images)}
-    which = np.asarray([fold_of[image] for image in scores["image"][mask]])
+    which = np.asarray([fold_of[image] for image in scores["content"][mask]])
     part = {key: value[mask] for key, value in scores.items()}
     held = np.zeros(int(mask.sum()))
     for k in range(FOLDS):
@@ -145,13 +153,17 @@ def fitted_part(scores: dict, mask: np.ndarray, share: bool, target: float, name
     threshold = choose_threshold(held, correct, target)
     if not threshold["met"]:
         threshold["abstain"] = True  # no confidence answers these at the target: the app says "Uncertain" to all
-    meta = {"questions": int(mask.sum()), "images": distinct_images(scores["image"][mask].tolist()),
+    # What the answers the app withholds were worth (all of them where no threshold is met): what it says then.
+    withheld = held < threshold["min_confidence"] if threshold["met"] else np.ones(len(held), bool)
+    meta = {"questions": int(mask.sum()), "images": len(set(scores["content"][mask].tolist())),
             "accuracy": round(float(correct.mean()), 4),
             "reliability_in_sample": reliability(in_sample, correct),
             "out_of_fold": {**summary_at(held, correct, threshold["min_confidence"] or 1.0),
                             "log_loss": round(log_loss(held, correct), 4),
                             "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
-            "threshold": threshold}
+            "threshold": threshold,
+            "withheld_out_of_fold": {"n": int(withheld.sum()),
+                                     "accuracy": round(float(correct[withheld].mean()), 4) if withheld.any() else None}}
     if name:
         meta["group"] = name
     return Calibration({OPEN_CHOICE: fit}, meta), held
@@ -177,6 +189,18 @@ def open_choices_meta(settings) -> dict:
     return fitted_settings(settings.decoder, OpenAnswers.load(resolve_path(settings.decoder.open_answers)).digest)
 
 
+def stamp(args, settings) -> dict:
+    """What the scores depend on, kept with them so that --reuse refits only scores of this model, these open
+    choices and this hold-out."""
+    from medvqa.engines import engine_label
+
+    projector = Path(settings.projector.weights)
+    return {"projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
+            "open_choices": open_choices_meta(settings), "engine": engine_label(settings),
+            "held_out": {"data": list(args.data), "val": args.val, "val_by_image": args.val_by_image,
+                         "holdout_percent": args.holdout_percent or None, "seed": args.seed}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_held_out_arguments(parser, "runs/calibrate-open-scores.npz", "open_calibration")
@@ -195,12 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the {args.profile} profile writes its open answers (decoder.open_choices "
                          f"{settings.decoder.open_choices!r}): there is no chosen answer to calibrate")
     out = Path(args.out or settings.decoder.open_calibration or "weights/offline/calibration-open.json")
+    fitted_with = stamp(args, settings)
     if args.reuse:
         scores = dict(np.load(args.scores))
+        kept = json.loads(str(scores.pop("stamp"))) if "stamp" in scores else None
+        if kept != fitted_with:
+            raise SystemExit(f"{args.scores} was scored with {kept or 'an unrecorded model, data and hold-out'}, not "
+                             f"{fitted_with}: score again (without --reuse), or give the --data and hold-out it was "
+                             "scored with")
     else:
-        scores = score_held_out(args, load_settings(args.profile) if not args.engine else settings)
+        scores = score_held_out(args, settings)
         Path(args.scores).parent.mkdir(parents=True, exist_ok=True)
-        np.savez(args.scores, **scores)
+        np.savez(args.scores, **scores, stamp=np.asarray(json.dumps(fitted_with)))
     scores["correct"] = scores["correct"].astype(bool)
     everything = np.ones(len(scores["correct"]), bool)
     calibration, pooled_held = fitted_part(scores, everything, args.share, args.target_accuracy, None)
@@ -215,15 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         app_held[mine] = held
         thresholds[mine] = part.meta["threshold"]["min_confidence"] or NEVER
     answered = app_held >= thresholds
-    projector = Path(settings.projector.weights)
     calibration.meta = {
-        "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
-                      "holdout_percent": args.holdout_percent or None, "seed": args.seed,
-                      "questions": int(len(scores["correct"])), "images": distinct_images(scores["image"].tolist()),
+        "fitted_on": {**fitted_with["held_out"], "questions": int(len(scores["correct"])),
+                      "images": len(set(scores["content"].tolist())),
                       "answer_right_when": "it holds every word of the reference (open recall 1)"},
         "kind": OPEN_CHOICE,
-        "projector_sha256": hashlib.sha256(projector.read_bytes()).hexdigest() if projector.is_file() else None,
-        "open_choices": open_choices_meta(settings),
+        "projector_sha256": fitted_with["projector_sha256"],
+        "open_choices": fitted_with["open_choices"],
+        "engine": fitted_with["engine"],  # recorded, not checked (as for closed answers)
         "features": ["margin", *(["log training share of the chosen answer"] if args.share else [])],
         **calibration.meta,
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},

@@ -372,7 +372,7 @@ def open_abstention(examples: list[VQAExample], rows: list[dict], pipeline: Pipe
     chosen = []
     for example, r in zip(examples, rows):
         if r.get("open_choice"):
-            # How usual the chosen answer is, from the answers file (rows kept from before it was recorded).
+            # How usual the chosen answer is (the rows keep the answer, not its share): from the answers file.
             choices = pipeline.open_answers.find(example.question, judge.open_choices_min_similarity,
                                                  judge.open_choices_max, judge.open_choices_min_images)
             share = choices.share(r[main]) if choices is not None and r[main] in choices.answers else None
@@ -382,7 +382,10 @@ def open_abstention(examples: list[VQAExample], rows: list[dict], pipeline: Pipe
             chosen.append(r)
     kept = [r for r in chosen if not r["open_abstained"]]
     right = lambda mine: round(float(np.mean([open_recall(r[main], r["reference"]) >= 1.0 for r in mine])), 4)  # noqa: E731
-    return {"chosen": len(chosen), "answered": round(len(kept) / len(chosen), 4),
+    # An answer the fit cannot judge (its answer not among the choices: rows of another answers file) is given by
+    # the app without a confidence: counted among those given, and how many there were is said.
+    return {"chosen": len(chosen), "unscored": sum(r["open_confidence"] is None for r in chosen),
+            "answered": round(len(kept) / len(chosen), 4),
             "recall_answered": round(score(kept, main)["open_recall"], 4) if kept else None,
             "right_answered": right(kept) if kept else None, "right_chosen": right(chosen)}
 

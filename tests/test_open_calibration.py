@@ -34,9 +34,10 @@ def _decoder(**changes):
     return SimpleNamespace(**{**vars(decoder), **changes})
 
 
-def _part(group: str, fit, threshold: dict, reliability=()) -> dict:
-    return {"fits": {OPEN_CHOICE: dict(zip("abc", fit))}, "group": group, "threshold": threshold,
-            "out_of_fold": {"reliability": list(reliability)}}
+def _part(group: str, fit, threshold: dict, reliability=(), withheld=None) -> dict:
+    return {"fits": {OPEN_CHOICE: dict(zip("abc", fit))}, "group": group,
+            "threshold": {"target_accuracy": 0.8, **threshold}, "out_of_fold": {"reliability": list(reliability)},
+            **({"withheld_out_of_fold": withheld} if withheld else {})}
 
 
 def _calibration(projector="p" * 64, digest="d" * 64, **settings) -> dict:
@@ -48,9 +49,11 @@ def _calibration(projector="p" * 64, digest="d" * 64, **settings) -> dict:
             "groups": {GREY: _part(GREY, (2.0, 0.0, 1.0), {"met": True, "min_confidence": 0.75},
                                    [{"bin": "0.0-0.5", "n": 30, "accuracy": 0.3, "mean_confidence": 0.4},
                                     {"bin": "0.5-0.8", "n": 40, "accuracy": 0.55, "mean_confidence": 0.6},
-                                    {"bin": "0.8-1.0", "n": 60, "accuracy": 0.85, "mean_confidence": 0.9}]),
-                       COLOUR: _part(COLOUR, (0.5, -2.0, 1.0), {"met": False, "min_confidence": None,
-                                                                "abstain": True})}}
+                                    {"bin": "0.8-1.0", "n": 60, "accuracy": 0.85, "mean_confidence": 0.9}],
+                                   {"n": 150, "accuracy": 0.45}),
+                       COLOUR: _part(COLOUR, (0.5, -2.0, 1.0), {"met": False, "min_confidence": None, "abstain": True},
+                                     [{"bin": "0.9-1.0", "n": 2, "accuracy": 1.0, "mean_confidence": 0.95}],
+                                     {"n": 994, "accuracy": 0.126})}}
 
 
 def test_a_chosen_answer_gets_its_image_groups_confidence_and_is_withheld_below_its_threshold(tmp_path):
@@ -91,16 +94,36 @@ def test_the_answer_the_note_and_the_transcript_say_what_was_measured(tmp_path):
     assert choice_note(given).endswith("not written freely. Confidence: answers like this were right 55 % of the time "
                                        "on held-out grey training images (n = 40).")
     withheld = judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder())
-    # The leaning keeps the answer's spelling ("CT", not "Ct") and says how often such answers were right.
-    assert leaning(withheld) == ("Uncertain — the model cannot tell from this image (it leans to CT; answers like "
-                                 "this were right 30 % of the time on held-out grey training images (n = 30)).")
-    assert "It is not given as the answer" in choice_note(withheld)
+    # The leaning keeps the answer's spelling ("CT", not "Ct") and says how often the answers withheld below the
+    # threshold were right out of fold (not its bin's figure: a bin may straddle the threshold).
+    assert leaning(withheld) == ("Uncertain — the model cannot tell from this image (it leans to CT; chosen answers "
+                                 "with a confidence below the threshold were right 45 % of the time on held-out grey "
+                                 "training images (n = 150)).")
+    assert choice_note(withheld).endswith("It is not given as the answer: its confidence is below the threshold at "
+                                          "which such answers were right 80 % of the time on held-out training images.")
+    # A group no threshold answers: what all its chosen answers were worth, even for a confident one whose bin
+    # held a few right answers, and the note does not say a confident answer was right too rarely.
+    slide = judged(dict(RECORD, margin=30.0), calibration, COLOUR, _decoder())
+    assert slide["abstained"] and slide["held_out"]["accuracy"] == 1.0
+    assert leaning(slide) == ("Uncertain — the model cannot tell from this image (it leans to CT; chosen answers about "
+                              "such images were right 13 % of the time on held-out training images with colour "
+                              "(n = 994)).")
+    assert "no confidence picked out enough chosen answers that were right 80 % of the time" in choice_note(slide)
+    # Another threshold than the file's (decoder.min_confidence): the bin's figure, as for closed answers.
+    other = judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder(threshold_from_calibration=False))
+    assert "withheld" not in other and "answers like this were right 30 % of the time" in leaning(other)
     scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
     answer = _Answer("What modality is used to take this image?", scan=scan, passages=[], text=leaning(withheld),
                      open_choice=withheld)
     turn = answer.record()
     assert turn["answer"].startswith("Uncertain — ") and turn["answered_by"]["chosen"] == "CT"
     assert turn["answered_by"]["abstained"] is True and turn["answered_by"]["held_out"]["n"] == 30
+    from medvqa.ui.transcript import export_markdown
+
+    kept = export_markdown({"notice": "n", "exported_at": "t", "profile": "offline",
+                            "scan": {"format": "png", "modality": "", "frames": 1}, "turns": [turn]})
+    assert kept.count("Uncertain — the model cannot tell from this image") == 1 and "leans to CT;" in kept
+    assert "It is not given as the answer" in kept
     assert "It is not given as the answer" in _render_answer(answer, final=True)
     # Closed leanings keep their spelling too; a lower-case option still starts with a capital.
     assert "leans to Yes," in leaning_text(Verdict("yes", 0.1, "yes/no", 0.55, True))
@@ -161,7 +184,7 @@ def test_the_pipeline_withholds_a_chosen_answer_below_its_threshold_and_gives_it
 
 
 def test_the_calibration_script_fits_each_image_group_out_of_fold_and_marks_one_reaching_no_target(tmp_path):
-    from calibrate_open import main
+    from calibrate_open import main, stamp
 
     rng = np.random.default_rng(0)
     n = 400
@@ -171,19 +194,32 @@ def test_the_calibration_script_fits_each_image_group_out_of_fold_and_marks_one_
     correct = np.where(group == GREY, rng.uniform(0, 1, n) < 1 / (1 + np.exp(-(2.5 * margin - 2))),
                        rng.uniform(0, 1, n) < 0.1)
     scores = {"margin": margin, "correct": correct, "recall": correct.astype(float), "share": rng.uniform(0.2, 1, n),
-              "image": np.asarray([f"im{i // 2}.png" for i in range(n)]), "group": group,
+              "image": np.asarray([f"im{i // 2}.png" for i in range(n)]),
+              "content": np.asarray([f"c{i // 4}" for i in range(n)]), "group": group,
               "data": np.where(group == GREY, "slake", "pathvqa"), "question": np.asarray(["q"] * n),
               "reference": np.asarray(["a"] * n), "choice": np.asarray(["a"] * n), "runner_up": np.asarray(["b"] * n)}
-    np.savez(tmp_path / "scores.npz", **scores)
+    settings = load_settings("offline")
+    held_out = SimpleNamespace(data=["vqa-rad:train", "slake:train"], val=400, val_by_image=False, holdout_percent=15.0,
+                               seed=0)
+    # Scores of another hold-out (or model, or open choices) are refused.
+    np.savez(tmp_path / "scores.npz", **scores, stamp=np.asarray(json.dumps(stamp(
+        SimpleNamespace(**dict(vars(held_out), holdout_percent=10.0)), settings))))
     out = tmp_path / "open.json"
+    with pytest.raises(SystemExit, match="score again"):
+        main(["--scores", str(tmp_path / "scores.npz"), "--reuse", "--out", str(out), "--holdout-percent", "15"])
+    np.savez(tmp_path / "scores.npz", **scores, stamp=np.asarray(json.dumps(stamp(held_out, settings))))
     assert main(["--scores", str(tmp_path / "scores.npz"), "--reuse", "--out", str(out), "--holdout-percent", "15"]) == 0
     body = json.loads(out.read_text())
-    settings = load_settings("offline")
     assert body["kind"] == OPEN_CHOICE and body["features"] == ["margin", "log training share of the chosen answer"]
+    assert body["fitted_on"]["images"] == n // 4  # by content, not by file name
     assert body["open_choices"] == fitted_settings(settings.decoder, OpenAnswers.load(settings.decoder.open_answers).digest)
     assert set(body["groups"]) == {GREY, COLOUR}
     assert body["groups"][GREY]["threshold"]["met"] and body["groups"][GREY]["fits"][OPEN_CHOICE]["a"] > 1
     assert body["groups"][COLOUR]["threshold"]["abstain"] and not body["groups"][COLOUR]["threshold"]["met"]
+    # What the app says of withheld answers: all of a group no threshold answers, those below it in the other.
+    assert body["groups"][COLOUR]["withheld_out_of_fold"]["n"] == 150
+    grey_held = body["groups"][GREY]["withheld_out_of_fold"]
+    assert 0 < grey_held["n"] < 250 and grey_held["accuracy"] < body["groups"][GREY]["accuracy"]
     by_data = body["app_out_of_fold"]["by_data"]
     assert by_data["pathvqa"]["answered"] == 0 and by_data["slake"]["accuracy_answered"] >= 0.8
     loaded = Calibration.load(out)
@@ -203,3 +239,34 @@ def test_the_shipped_file_is_fitted_for_the_offline_profile():
     assert not Calibration.load(settings.decoder.open_calibration).unusable_for_open(
         projector, fitted_settings(settings.decoder, digest))
     assert body["fitted_on"]["holdout_percent"] == 15.0 and set(body["groups"]) == {GREY, COLOUR}
+
+
+def test_a_withheld_open_answer_counts_as_an_open_abstention_and_claims_nothing(calibrated_pipeline, monkeypatch):
+    from medvqa.metrics import AnswerTracker, ServingMetrics
+    from medvqa.pipeline import Conversation, Done
+
+    metrics = ServingMetrics()
+    AnswerTracker(metrics).done({}, 1, None, {"abstained": True})
+    AnswerTracker(metrics).done({}, 1, None, {"abstained": False})
+    assert metrics.registry.get_sample_value("medvqa:open_abstentions_total") == 1
+    assert metrics.registry.get_sample_value("medvqa:abstentions_total") == 0
+    # The sources shown beside a withheld answer are found for the question, not for the answer it leans to.
+    asked = []
+    monkeypatch.setattr(calibrated_pipeline, "retrieve", lambda query, safe_meta=None: asked.append(query) or [])
+    conversation = Conversation(image=np.full((48, 48, 3), 90, np.uint8))
+    done = [e for e in calibrated_pipeline.ask(conversation, "Where is the liver?", warm=False) if isinstance(e, Done)][-1]
+    assert done.open_choice["abstained"] and asked[-1] == "Where is the liver?"
+
+
+def test_the_command_line_prints_the_leaning_and_the_note_once(calibrated_pipeline, monkeypatch, tmp_path, capsys):
+    from PIL import Image
+
+    from medvqa.__main__ import main
+
+    image = tmp_path / "scan.png"
+    Image.fromarray(np.full((48, 48, 3), 90, np.uint8)).save(image)
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: calibrated_pipeline))
+    assert main(["ask", str(image), "Where is the liver?", "--no-retrieval"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("Uncertain — the model cannot tell from this image (it leans to") == 1
+    assert "(Chosen by the language model among the 2 answers" in printed and "It is not given as the answer" in printed
