@@ -19,7 +19,8 @@ question alone and for the question with the *reference* answer. The last line i
   retrieved for the question alone / with the app's citation query built from the reference answer
   (trust.claim_query): what the corpus can support;
 - claim_support: the share of the model's own term answers (same questions) with a cited passage
-  marked "supports";
+  marked "supports", of those it gives: an open answer chosen among training answers and withheld as
+  "Uncertain" (term_answers_withheld) asserts nothing;
 - marks: how many cited passages were marked supports / contradicts / related. How right a
   "supports" mark is cannot be read off the marks themselves (that would re-apply the check it
   measures): --labelled measures it against labels a person wrote;
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.decoder.engine = args.engine
     pipeline = Pipeline.load(settings, with_retrieval=True)
     examples = balanced_subset(load_examples(args.dataset, args.data, args.split), args.limit)
-    question_only = reference_query = claim_supported = terms = 0
+    question_only = reference_query = claim_supported = terms = withheld = 0
     marks = {"supports": 0, "contradicts": 0, "related": 0}
     closed_rows: list[tuple[float, bool]] = []
     reliance_rows: list[tuple[bool, bool]] = []
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             question_only += contains(pipeline.retrieve(example.question), example.answer)
             reference_query += contains(pipeline.retrieve(claim_query(example.question, example.answer)),
                                         example.answer)
-            claim_supported += any(mark == "supports" for mark, _ in done.support)
+            if done.open_choice and done.open_choice.get("abstained"):
+                withheld += 1  # "Uncertain": the answer asserts nothing a passage could support
+            else:
+                claim_supported += any(mark == "supports" for mark, _ in done.support)
     flagged = [correct for was_flagged, correct in reliance_rows if was_flagged]
     unflagged = [correct for was_flagged, correct in reliance_rows if not was_flagged]
     summary = {
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         "term_questions": terms, "closed_questions": len(closed_rows),
         "support_at_3": {"question_only": round(question_only / max(1, terms), 4),
                          "app_query_reference": round(reference_query / max(1, terms), 4)},
-        "claim_support": round(claim_supported / max(1, terms), 4),
+        "claim_support": round(claim_supported / max(1, terms - withheld), 4),
+        "term_answers_withheld": withheld,
         "marks": marks,
         "risk_coverage": {str(c): accuracy_at(closed_rows, c) for c in (1.0, 0.75, 0.5)},
         "abstention_rate": round(sum(a for a, _ in answered_rows) / len(answered_rows), 4) if answered_rows else None,

@@ -160,6 +160,7 @@ def test_the_grounding_evaluation_reports_its_keys(tiny_cache, tmp_path):
                            "abstention_rate", "image_reliance"}
     assert result["support_at_3"] == {"question_only": 1.0, "app_query_reference": 1.0}  # one passage, it has "liver"
     assert result["term_questions"] == 1 and result["closed_questions"] == 1
+    assert result["term_answers_withheld"] == 0  # the tiny profile writes its open answers
     assert set(result["risk_coverage"]) == {"1.0", "0.75", "0.5"}
 
 
