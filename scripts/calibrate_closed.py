@@ -167,12 +167,14 @@ def kind_counts(kinds: np.ndarray) -> dict[str, int]:
 
 
 def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
-    """Each question's confidence from a fit on the other folds (folds drawn by image); with the scores'
-    "strength" (the answer head's), fitted on it too."""
-    images = sorted(set(scores["image"].tolist()))
+    """Each question's confidence from a fit on the other folds (folds drawn by image content: PathVQA repeats
+    one image under many file names, which must fall in one fold); with the scores' "strength" (the answer
+    head's), fitted on it too."""
+    content = image_contents(scores["image"])
+    images = sorted(set(content.tolist()))
     random.Random(seed).shuffle(images)
     fold_of = {image: i % folds for i, image in enumerate(images)}
-    which = np.asarray([fold_of[image] for image in scores["image"]])
+    which = np.asarray([fold_of[image] for image in content])
     strength = scores.get("strength")
     confidence = np.zeros(len(which))
     for k in range(folds):
@@ -183,6 +185,18 @@ def out_of_fold(scores: dict, folds: int = 5, seed: int = 0) -> np.ndarray:
             confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]),
                                                    None if strength is None else float(strength[i]))
     return confidence
+
+
+_CONTENT: dict[str, str] = {}
+
+
+def image_contents(paths) -> np.ndarray:
+    """Each image file's content hash (the path itself for a file not found), computed once per file."""
+    from medvqa_train.medical import content_hash
+
+    for path in set(map(str, paths)) - _CONTENT.keys():
+        _CONTENT[path] = content_hash(path) if Path(path).is_file() else path
+    return np.asarray([_CONTENT[str(path)] for path in paths])
 
 
 def image_groups(paths) -> np.ndarray:
