@@ -97,7 +97,8 @@ def judged(record: dict, calibration, group: str, decoder) -> dict:
     judged_record = {**record, "confidence": confidence, "held_out": part.held_out(confidence), "abstained": abstained,
                      **({"uncalibrated": calibration.unused} if calibration.unused else {})}
     withheld = part.meta.get("withheld_out_of_fold")
-    if abstained and withheld and (threshold == NEVER or threshold == part.meta["threshold"].get("min_confidence")):
+    if (abstained and withheld and withheld.get("n")
+            and (threshold == NEVER or threshold == (part.meta.get("threshold") or {}).get("min_confidence"))):
         # What the withheld answers of this part were worth out of fold (not the bin's figure: a bin may straddle
         # the threshold, and a part no threshold answers may hold a few confident answers that were right).
         judged_record["withheld"] = {**withheld, "every": threshold == NEVER, "group": part.group,
@@ -238,7 +239,9 @@ def _confidence(record: dict) -> str:
     from .confidence import held_out_text
 
     if record.get("abstained"):
-        withheld = record.get("withheld") or {}
+        withheld = record.get("withheld")
+        if not withheld:  # the threshold in force is decoder.min_confidence, not one the file chose
+            return "It is not given as the answer: its confidence is below the app's threshold (decoder.min_confidence)."
         target = f"{100 * withheld['target_accuracy']:.0f} %" if withheld.get("target_accuracy") else "often enough"
         if withheld.get("every"):
             return (f"It is not given as the answer: on held-out training images like this one, no confidence "

@@ -194,8 +194,15 @@ def image_contents(paths) -> np.ndarray:
     """Each image file's content hash (the path itself for a file not found), computed once per file."""
     from medvqa_train.medical import content_hash
 
+    missing = 0
     for path in set(map(str, paths)) - _CONTENT.keys():
-        _CONTENT[path] = content_hash(path) if Path(path).is_file() else path
+        found = Path(path).is_file()
+        missing += not found
+        _CONTENT[path] = content_hash(path) if found else path
+    if missing:
+        print(f"warning: {missing} image files of the scores are not found here: their questions are folded by file "
+              "name, so copies of one image may fall in two folds and the thresholds differ from a refit beside the "
+              "images", file=sys.stderr)
     return np.asarray([_CONTENT[str(path)] for path in paths])
 
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "term_questions": terms, "closed_questions": len(closed_rows),
         "support_at_3": {"question_only": round(question_only / max(1, terms), 4),
                          "app_query_reference": round(reference_query / max(1, terms), 4)},
-        "claim_support": round(claim_supported / max(1, terms - withheld), 4),
+        "claim_support": round(claim_supported / (terms - withheld), 4) if terms > withheld else None,
         "term_answers_withheld": withheld,
         "marks": marks,
         "risk_coverage": {str(c): accuracy_at(closed_rows, c) for c in (1.0, 0.75, 0.5)},

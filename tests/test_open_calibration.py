@@ -112,6 +112,13 @@ def test_the_answer_the_note_and_the_transcript_say_what_was_measured(tmp_path):
     # Another threshold than the file's (decoder.min_confidence): the bin's figure, as for closed answers.
     other = judged(dict(RECORD, margin=0.3), calibration, GREY, _decoder(threshold_from_calibration=False))
     assert "withheld" not in other and "answers like this were right 30 % of the time" in leaning(other)
+    assert choice_note(other).endswith("its confidence is below the app's threshold (decoder.min_confidence).")
+    # A file whose withheld table is empty (no out-of-fold answer fell below the threshold): the bin's figure.
+    empty = _calibration()
+    empty["groups"][GREY]["withheld_out_of_fold"] = {"n": 0, "accuracy": None}
+    path.write_text(json.dumps(empty))
+    bare = judged(dict(RECORD, margin=0.3), Calibration.load(path), GREY, _decoder())
+    assert bare["abstained"] and "withheld" not in bare and "right 30 % of the time" in leaning(bare)
     scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
     answer = _Answer("What modality is used to take this image?", scan=scan, passages=[], text=leaning(withheld),
                      open_choice=withheld)
@@ -270,3 +277,17 @@ def test_the_command_line_prints_the_leaning_and_the_note_once(calibrated_pipeli
     printed = capsys.readouterr().out
     assert printed.count("Uncertain — the model cannot tell from this image (it leans to") == 1
     assert "(Chosen by the language model among the 2 answers" in printed and "It is not given as the answer" in printed
+
+
+def test_closed_calibration_folds_copies_of_one_image_together_and_warns_of_missing_files(tmp_path, capsys):
+    from calibrate_closed import image_contents
+
+    first, copy_, other = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.png"
+    first.write_bytes(b"one image")
+    copy_.write_bytes(b"one image")  # the same image under another name, as PathVQA has them
+    other.write_bytes(b"another image")
+    contents = image_contents([str(first), str(copy_), str(other)])
+    assert contents[0] == contents[1] != contents[2]
+    assert "warning" not in capsys.readouterr().err
+    assert image_contents([str(tmp_path / "gone.png")])[0] == str(tmp_path / "gone.png")
+    assert "1 image files of the scores are not found here" in capsys.readouterr().err
