@@ -153,6 +153,13 @@ def test_sources_are_marked_with_the_sentence_they_rest_on_and_a_blind_answer_is
     answer.text, answer.closed = "Uncertain — the model cannot tell from this image.", {"flagged": True, "abstained": True}
     rendered = _render_answer(answer, final=True)
     assert "does not depend on the image" not in rendered and "Its leaning does not come from the image" in rendered
+    # It asserts nothing: its sources were found for the question, and none is missing a finding it does not state.
+    assert "retrieved for your question; the answer above is withheld" in rendered
+    assert "No source describes" not in rendered and "retrieved for your question and this answer" not in rendered
+    # So for an open answer chosen among training answers and withheld.
+    answer.closed, answer.open_choice = None, {"answer": "Left", "nearest": "Where is the liver?", "similarity": 1.0,
+                                               "choices": 2, "images": 9, "prior": 0.0, "abstained": True}
+    assert "retrieved for your question; the answer above is withheld" in _render_answer(answer, final=True)
 
 
 def test_closed_answers_show_their_confidence_an_uncertain_one_says_it_and_an_uncalibrated_one_says_so():

@@ -75,8 +75,10 @@ def _render_answer(answer: _Answer, final: bool) -> str:
     else:  # a closed question answered in free text says its confidence was not measured
         note = answer.confidence_note
         confidence = f'<div class="medvqa-confidence">{html.escape(note)}</div>\n\n' if note else ""
+    withheld = bool((answer.closed and answer.closed.get("abstained"))
+                    or (answer.open_choice and answer.open_choice.get("abstained")))
     return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
-                                                                answer.support)
+                                                                answer.support, withheld)
 
 
 def _confidence_html(closed: dict) -> str:
@@ -151,9 +153,11 @@ def _highlight(sentence: str, start: int, end: int) -> str:
             + (" " if after[:1].isspace() else "") + inert(after))
 
 
-def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, support: list | None = None) -> str:
+def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, support: list | None = None,
+                  withheld: bool = False) -> str:
     """The numbered sources of an answer, each with its mark (describes the finding, describes it as
-    absent, related). One HTML block with no blank line, so Markdown leaves it be."""
+    absent, related). One HTML block with no blank line, so Markdown leaves it be. For an answer `withheld`
+    as "Uncertain" (it asserts nothing) they were retrieved for the question alone, and the heading says so."""
     if not passages:
         reason = html.escape(note or "No literature passage was retrieved.")
         return f'<div class="medvqa-sources medvqa-no-sources"><b>No literature support.</b> {reason}</div>'
@@ -171,10 +175,13 @@ def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, su
     contradicted = any(mark and mark[0] == "contradicts" for mark in marks)
     if in_prompt:
         heading = "<b>Sources</b> <small>(the passages the model read)</small>"
+    elif withheld:
+        heading = ("<b>Related literature</b> <small>(retrieved for your question; the answer above is withheld, so "
+                   "it states nothing a source could describe)</small>")
     else:
         heading = ("<b>Related literature</b> <small>(retrieved for your question and this answer; this model "
                    "answers from the image alone)</small>")
-    if not supported:
+    if not supported and not withheld:
         heading += " <small>No source describes what this answer states.</small>"
     if contradicted:
         heading += " <small>A source describes it as absent.</small>"
