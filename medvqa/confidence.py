@@ -261,11 +261,14 @@ class Calibration:
                     "refit it with scripts/calibrate_open.py")
         recorded = self.meta.get("open_choices") or {}
         for key, value in open_choices.items():
-            if recorded.get(key) != value:
-                setting = "the open answers file" if key == "open_answers_sha256" else f"decoder.open_choices_{key}"
-                shown = (lambda v: f"{str(v)[:12]}…") if key == "open_answers_sha256" else (lambda v: f"{v}")
-                return (f"fitted with {setting} {shown(recorded.get(key))} and this profile uses {shown(value)}; "
+            fitted = recorded.get(key)
+            if fitted == value:
+                continue
+            if key == "open_answers_sha256":
+                return (f"fitted with the open answers file {str(fitted)[:12]}… and this profile uses {value[:12]}…; "
                         "refit it with scripts/calibrate_open.py")
+            return (f"fitted with decoder.open_choices_{key} {fitted} and this profile uses {value}; "
+                    "refit it with scripts/calibrate_open.py")
         return ""
 
     def confidence(self, margin: float, kind: str, strength: float | None = None) -> float | None:
@@ -317,48 +320,46 @@ class Calibration:
         return Verdict(choice, margin, kind, confidence, abstained, self.held_out(confidence))
 
 
-def load_calibration(path: str) -> Calibration:
+def load_calibration(path: str, answers: str = "closed answers") -> Calibration:
     """The calibration at `path`; an empty one (no confidence, no abstention) when `path` is "" or
-    names no file, which is logged. A file that is not a calibration is an error."""
+    names no file, which is logged (`answers`: which answers it would have judged). A file that is not a
+    calibration is an error."""
     if not path:
         return Calibration()
     if not Path(path).is_file():
-        log.warning("no closed-answer calibration at %s: closed answers are shown without a confidence", path)
+        log.warning("no calibration of %s at %s: they are shown without a confidence", answers, path)
         return Calibration()
     return Calibration.load(path)
+
+
+def _in_force(path: str, answers: str, why_not) -> Calibration:
+    """load_calibration(path), or an empty calibration whose `unused` says why when `why_not(calibration)` says
+    the file was fitted for another model (logged)."""
+    calibration = load_calibration(path, answers)
+    if not calibration.fits and not calibration.meta:  # no file: nothing fitted for anything (logged)
+        return calibration
+    reason = why_not(calibration)
+    if reason:
+        log.warning("calibration %s not used: it was %s; %s are shown without a confidence", path, reason, answers)
+        return Calibration(unused=reason)
+    return calibration
 
 
 def calibration_for(path: str, projector_sha256: str | None, yes_bias: float,
                     answer_head_digest: str | None = None, head_answers: list[str] | None = None) -> Calibration:
     """load_calibration(path), or an empty calibration whose `unused` says why when the file was
     fitted for another projector, yes_bias or yes/no answerer (logged)."""
-    calibration = load_calibration(path)
-    if not calibration.fits and not calibration.meta:  # no file: nothing fitted for anything (logged)
-        return calibration
-    reason = calibration.unusable_for(projector_sha256, yes_bias, answer_head_digest, head_answers)
-    if reason:
-        log.warning("closed-answer calibration %s not used: it was %s; closed answers are shown without a confidence",
-                    path, reason)
-        return Calibration(unused=reason)
-    return calibration
+    return _in_force(path, "closed answers",
+                     lambda calibration: calibration.unusable_for(projector_sha256, yes_bias, answer_head_digest,
+                                                                  head_answers))
 
 
 def open_calibration_for(path: str, projector_sha256: str | None, open_choices: dict) -> Calibration:
     """load_calibration(path) for open answers chosen among training answers (decoder.open_calibration), or an
     empty calibration whose `unused` says why when the file was fitted for another projector, open answers
     file or open_choices settings (logged)."""
-    if path and not Path(path).is_file():
-        log.warning("no open-answer calibration at %s: chosen open answers are shown without a confidence", path)
-        return Calibration()
-    calibration = load_calibration(path)
-    if not calibration.fits and not calibration.meta:
-        return calibration
-    reason = calibration.unusable_for_open(projector_sha256, open_choices)
-    if reason:
-        log.warning("open-answer calibration %s not used: it was %s; chosen open answers are shown without a "
-                    "confidence", path, reason)
-        return Calibration(unused=reason)
-    return calibration
+    return _in_force(path, "chosen open answers",
+                     lambda calibration: calibration.unusable_for_open(projector_sha256, open_choices))
 
 
 def fit_platt(margins, correct, strength=None, *, iterations: int = 100, ridge: float = 1e-3) -> tuple[float, ...]:
@@ -398,13 +399,14 @@ def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) 
     return rows
 
 
-def leaning_text(verdict: Verdict) -> str:
+def leaning_text(verdict: Verdict, subject: str = "answers like this") -> str:
     """The answer shown instead of an answer the model cannot be trusted on (a closed one, or an open one chosen
-    among training answers), its first letter raised and the rest as written ("CT" stays "CT")."""
+    among training answers), its first letter raised and the rest as written ("CT" stays "CT"); its held-out
+    figure is of `subject` (held_out_text)."""
     choice = verdict.choice[:1].upper() + verdict.choice[1:]
     if verdict.held_out is not None:
         return (f"Uncertain — the model cannot tell from this image (it leans to {choice}; "
-                f"{held_out_text(verdict.held_out)}).")
+                f"{held_out_text(verdict.held_out, subject)}).")
     return (f"Uncertain — the model cannot tell from this image (it leans to {choice}, "
             f"estimated {verdict.confidence:.0%} likely to be right).")
 

@@ -109,16 +109,15 @@ def judged(record: dict, calibration, group: str, decoder) -> dict:
 def leaning(record: dict) -> str:
     """What the app says instead of a chosen open answer it withholds (judged()'s "abstained"): the answer it leans
     to and how often the answers withheld like it were right out of fold."""
-    from .confidence import OPEN_CHOICE, Verdict, held_out_text, leaning_text
+    from .confidence import OPEN_CHOICE, Verdict, leaning_text
 
-    withheld = record.get("withheld")
-    if not withheld:  # a file without that table, or a threshold other than the file's
-        return leaning_text(Verdict(record["answer"], record["margin"], OPEN_CHOICE, record["confidence"], True,
-                                    record.get("held_out")))
-    choice = record["answer"][:1].upper() + record["answer"][1:]
-    which = ("chosen answers about such images" if withheld["every"]
-             else "chosen answers with a confidence below the threshold")
-    return f"Uncertain — the model cannot tell from this image (it leans to {choice}; {held_out_text(withheld, which)})."
+    withheld = record.get("withheld")  # None: a file without that table, or a threshold other than the file's
+    verdict = Verdict(record["answer"], record["margin"], OPEN_CHOICE, record["confidence"], True,
+                      withheld or record.get("held_out"))
+    if not withheld:
+        return leaning_text(verdict)
+    return leaning_text(verdict, "chosen answers about such images" if withheld["every"]
+                        else "chosen answers with a confidence below the threshold")
 
 
 def fitted_settings(decoder, digest: str) -> dict:
@@ -253,8 +252,20 @@ def _confidence(record: dict) -> str:
     if record.get("confidence") is not None:
         return f"Confidence: estimated {record['confidence']:.0%} likely to be right."
     if record.get("uncalibrated"):
-        return f"How often such answers are right is not measured for this model (the calibration file was {record['uncalibrated']})."
+        return ("How often such answers are right is not measured for this model (the calibration file was "
+                f"{record['uncalibrated']}).")
     return "How often such answers are right is not measured for this model."
+
+
+def load_open_calibration(settings, answers: OpenAnswers | None, projector_sha256: str | None):
+    """How often a chosen open answer is right (decoder.open_calibration): only a file fitted for this projector,
+    open answers file and open_choices settings (confidence.open_calibration_for); None without `answers`."""
+    from .confidence import open_calibration_for
+
+    if answers is None:
+        return None
+    return open_calibration_for(settings.decoder.open_calibration, projector_sha256,
+                                fitted_settings(settings.decoder, answers.digest))
 
 
 def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:

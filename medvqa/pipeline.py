@@ -34,7 +34,7 @@ import torch
 
 from .answers import closed_candidates
 from .closed import ClosedQuestions, load_answer_head
-from .confidence import HEAD, calibration_for, image_group, leaning_text, open_calibration_for
+from .confidence import HEAD, calibration_for, image_group, leaning_text
 from .config import Settings
 from .device import pick_device, pick_dtype
 from .engines import Engine, EngineRequest, load_engine
@@ -42,7 +42,7 @@ from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
 from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
-from .open_choices import chosen, fitted_settings, judged, leaning, load_open_answers
+from .open_choices import chosen, judged, leaning, load_open_answers, load_open_calibration
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
 
@@ -216,11 +216,9 @@ class Pipeline(ClosedQuestions):
         # decoder.open_choices "training_answers": an open question worded like a training question is
         # answered by the decoder scoring the answers training gave to it (medvqa/open_choices.py).
         self.open_answers = load_open_answers(settings, engine.scores_options)
-        # How often a chosen open answer is right (decoder.open_calibration): only a file fitted for this
-        # projector, open answers file and open_choices settings.
-        self.open_calibration = (open_calibration_for(
-            settings.decoder.open_calibration, model.projector.sha256 if model else None,
-            fitted_settings(settings.decoder, self.open_answers.digest)) if self.open_answers is not None else None)
+        # How often a chosen open answer is right (decoder.open_calibration), when the app chooses any.
+        self.open_calibration = load_open_calibration(settings, self.open_answers,
+                                                      model.projector.sha256 if model else None)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(
@@ -400,7 +398,7 @@ class Pipeline(ClosedQuestions):
         answer = "".join(answer_parts).strip()
         timings.setdefault("ttft_s", time.perf_counter() - start)
         # An "Uncertain" answer asserts nothing: its sources are about the question.
-        claimed = "" if (closed and closed["abstained"]) or (open_choice and open_choice["abstained"]) else answer
+        claimed = "" if any(scored and scored["abstained"] for scored in (closed, open_choice)) else answer
         asserted = claim(question, claimed)
         if not in_prompt:
             shown = sources(claim_query(question, claimed, asserted))

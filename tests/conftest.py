@@ -32,6 +32,23 @@ def load_script(name: str):
     return module
 
 
+def jsonl_bench(folder: Path, images: int, shade: int, rows_of) -> Path:
+    """A tiny JSONL split (`folder`/test.jsonl and images/im{i}.png, each a flat grey of `shade` x i) whose rows
+    for image i are `rows_of(i)` (dicts without "image"): the layout evaluate.py's --dataset jsonl reads."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True)
+    rows = []
+    for i in range(images):
+        Image.fromarray(np.full((40, 40, 3), shade * i, dtype=np.uint8)).save(folder / "images" / f"im{i}.png")
+        rows += [{"image": f"im{i}.png", **row} for row in rows_of(i)]
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return folder
+
+
 def stop_process(process, timeout_s: float = 30) -> None:
     """Ask a server the test started to end; kill it if it has not within `timeout_s`."""
     import subprocess

@@ -9,22 +9,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .conftest import load_script
+from .conftest import jsonl_bench, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_evaluate_jsonl_reports_all_conditions(tmp_path, tiny_cache):
-    data = tmp_path / "bench"
-    (data / "images").mkdir(parents=True)
-    rows = []
-    for i in range(4):
-        Image.fromarray(np.full((40, 40, 3), 60 * i, dtype=np.uint8)).save(data / "images" / f"im{i}.png")
-        rows.append({"image": f"im{i}.png", "question": "Is there an effusion?", "answer": "yes" if i % 2 else "no",
-                     "answer_type": "CLOSED"})
-        rows.append({"image": f"im{i}.png", "question": "What organ is shown?", "answer": "lung",
-                     "answer_type": "OPEN"})
-    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = jsonl_bench(tmp_path / "bench", 4, 60, lambda i: [
+        {"question": "Is there an effusion?", "answer": "yes" if i % 2 else "no", "answer_type": "CLOSED"},
+        {"question": "What organ is shown?", "answer": "lung", "answer_type": "OPEN"}])
     env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), OMP_NUM_THREADS="1")
     command = [sys.executable, "scripts/evaluate.py", "--profile", "tiny", "--dataset", "jsonl", "--data", str(data),
                "--split", "test", "--limit", "6", "--conditions", "no_retrieval", "shuffled_image", "blank_image",

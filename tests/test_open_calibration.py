@@ -18,9 +18,9 @@ from medvqa.config import REPO_ROOT, load_settings
 from medvqa.open_choices import OpenAnswers, choice_note, fitted_settings, judged, leaning
 from medvqa.pipeline import Pipeline
 
-sys.path.insert(0, str(REPO_ROOT / "tests"))
+from .test_open_choices import _write
+
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from test_open_choices import _write  # noqa: E402
 
 RECORD = {"answer": "CT", "nearest": "What modality is used to take this image?", "similarity": 1.0,
           "min_similarity": 1.0, "choices": 3, "images": 80, "prior": 0.0, "runner_up": "MRI", "margin": 1.0,
@@ -153,7 +153,7 @@ def test_a_file_fitted_for_another_model_or_other_choices_is_not_used(tmp_path, 
     note = choice_note(judged(RECORD, open_calibration_for(str(path), "q" * 64, settings), GREY, _decoder()))
     assert "not measured for this model (the calibration file was fitted with projector" in note
     missing = open_calibration_for(str(tmp_path / "none.json"), None, settings)
-    assert not missing.fits and not missing.unused and "no open-answer calibration" in caplog.text
+    assert not missing.fits and not missing.unused and "no calibration of chosen open answers" in caplog.text
     assert fitted_settings(_decoder(open_choices_max=6), "d" * 64) == dict(settings, max=6)
 
 

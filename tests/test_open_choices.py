@@ -17,6 +17,8 @@ from medvqa.open_choices import (Choices, OpenAnswers, OpenAnswersError, choice_
                                  load_open_answers)
 from medvqa.pipeline import Pipeline
 
+from .conftest import jsonl_bench
+
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 QUESTIONS = ["What modality is used to take this image?", "Where is the liver?", "Which organ is abnormal?"]
@@ -264,16 +266,9 @@ def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(
     import os
     import subprocess
 
-    from PIL import Image
-
-    data = tmp_path / "bench"
-    (data / "images").mkdir(parents=True)
-    rows = []
-    for i in range(3):
-        Image.fromarray(np.full((40, 40, 3), 70 * i, dtype=np.uint8)).save(data / "images" / f"im{i}.png")
-        rows += [{"image": f"im{i}.png", "question": "Where is the liver?", "answer": "Left", "answer_type": "OPEN"},
-                 {"image": f"im{i}.png", "question": "Describe the findings.", "answer": "lung", "answer_type": "OPEN"}]
-    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = jsonl_bench(tmp_path / "bench", 3, 70, lambda i: [
+        {"question": "Where is the liver?", "answer": "Left", "answer_type": "OPEN"},
+        {"question": "Describe the findings.", "answer": "lung", "answer_type": "OPEN"}])
     answers = tmp_path / "open.safetensors"
     _write(answers)
     # An open-answer calibration for these answers: every chosen answer at sigmoid(0) = 0.5, below its 0.6.
