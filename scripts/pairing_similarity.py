@@ -7,13 +7,20 @@ many of the image pairs share modality and body region (SLAKE's `modality` and `
 The shuffled image is the next image of the split in sorted order; the random image is drawn by a
 seeded derangement (evaluate.derangement). SLAKE numbers its images by series, so sorted neighbours
 are often scans of the same series. Also prints the share of all pairs of distinct images that match,
-the expectation for a random pairing. Only SLAKE's training and validation metadata are read.
+the expectation for a random pairing.
+
+It also measures how far reading the scan can lift a model above each other image: of the closed
+questions whose other image was asked the same question (the same words), the share with the same
+reference answer there. A model that read every scan perfectly would score that share on those
+questions with the other image, so 100 minus it is the most any model can gain over that pairing on them.
+Only SLAKE's training and validation metadata and questions are read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -36,6 +43,46 @@ def folder_metadata(slake: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9 ]", " ", text.lower()).split())
+
+
+def answers_alike(examples, pairing: dict, rows: dict | None = None) -> dict:
+    """Closed questions whose other image (pairing) was asked the same words, and of those how many have
+    the same reference answer there. With `rows` (evaluate.py's rows by qid, answered with the question's own
+    image in `no_retrieval` and with the other in `condition`), how often the model was right with each image,
+    for the questions whose other image has the same answer and for those where it has another: a model that
+    reads the scan is right with its own image and, where the answer there differs, wrong with the other."""
+    asked = {}
+    for e in examples:
+        asked.setdefault(e.image, {})[_words(e.question)] = _words(e.answer)
+    closed = [e for e in examples if e.answer_type == "CLOSED"]
+    there = [asked[pairing[e.image]].get(_words(e.question)) for e in closed]
+    result = {"closed": len(closed), "asked_there": sum(a is not None for a in there),
+              "same_answer": sum(a == _words(e.answer) for a, e in zip(there, closed))}
+    if rows is not None:
+        from medvqa.answers import closed_correct
+
+        condition = rows.pop("_condition")
+        for part, keep in (("same_answer_there", lambda a, e: a == _words(e.answer)),
+                           ("other_answer_there", lambda a, e: a is not None and a != _words(e.answer))):
+            mine = [rows[e.qid] for a, e in zip(there, closed) if keep(a, e) and e.qid in rows
+                    and "no_retrieval" in rows[e.qid] and condition in rows[e.qid]]
+            result[part] = {"n": len(mine),
+                            "right_own_image": sum(closed_correct(r["no_retrieval"], r["reference"]) for r in mine),
+                            "right_other_image": sum(closed_correct(r[condition], r["reference"]) for r in mine)}
+    return result
+
+
+def load_rows(path: str, condition: str) -> dict:
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[str(row["qid"])] = row
+    return {**rows, "_condition": condition}
+
+
 def main(argv=None) -> int:
     from evaluate import derangement
 
@@ -44,6 +91,9 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--split", choices=("train", "validate"), help="a SLAKE split")
     source.add_argument("--jsonl", help="a JSONL benchmark of SLAKE images (scripts/export_holdout.py)")
+    parser.add_argument("--rows", help="evaluate.py's per-question rows of the same split (run with the "
+                                       "no_retrieval and shuffled_image or random_image conditions): how often the "
+                                       "model was right with each image on the questions asked of both")
     args = parser.parse_args(argv)
 
     meta = folder_metadata(Path(args.data))
@@ -58,6 +108,19 @@ def main(argv=None) -> int:
               "shuffled_pairs_alike": sum(of[a] == of[b] for a, b in derangement(examples).items()),
               "random_pairs_alike": sum(of[a] == of[b] for a, b in derangement(examples, seed=0).items()),
               "all_pairs_alike_share": round(sum(c * (c - 1) for c in counts.values()) / (n * (n - 1)), 4)}
+    for name, pairing in (("shuffled", derangement(examples)), ("random", derangement(examples, seed=0))):
+        rows = load_rows(args.rows, f"{name}_image") if args.rows else None
+        alike = result[f"{name}_closed_answers"] = answers_alike(examples, pairing, rows)
+        asked = alike["asked_there"]
+        print(f"{name} image: {asked} of {alike['closed']} closed questions were asked of it too, "
+              f"{alike['same_answer']} with the same answer"
+              + (f" ({100 * alike['same_answer'] / asked:.1f} %: a perfect reader gains at most "
+                 f"{100 - 100 * alike['same_answer'] / asked:.1f} points over it on those)" if asked else ""))
+        for part in ("same_answer_there", "other_answer_there"):
+            if alike.get(part, {}).get("n"):
+                found = alike[part]
+                print(f"  {part.replace('_', ' ')}: the model is right on {found['right_own_image']} of {found['n']} "
+                      f"with the question's image, {found['right_other_image']} with the {name} image")
     print(f"{n} images: the shuffled image shares modality and body region for {result['shuffled_pairs_alike']}, "
           f"the random image for {result['random_pairs_alike']}; of all pairs of distinct images "
           f"{100 * result['all_pairs_alike_share']:.1f} % do")

@@ -173,15 +173,34 @@ def test_pairing_similarity_counts_alike_neighbours_and_random_pairs(tmp_path, c
     """scripts/pairing_similarity.py on a tiny SLAKE layout: sorted neighbours of one series match."""
     kinds = {"xmlab1": ("CT", "Abdomen"), "xmlab2": ("CT", "Abdomen"), "xmlab3": ("MRI", "Brain"),
              "xmlab4": ("MRI", "Brain")}
-    rows = [{"qid": i, "img_name": f"{name}/source.jpg", "question": "Is it?", "answer": "Yes",
+    answers = {"xmlab1": "Yes", "xmlab2": "No", "xmlab3": "Yes", "xmlab4": "yes"}
+    rows = [{"qid": i, "img_name": f"{name}/source.jpg", "question": "Is it?", "answer": answers[name],
              "answer_type": "CLOSED", "q_lang": "en", "modality": modality, "location": location}
             for i, (name, (modality, location)) in enumerate(kinds.items())]
+    rows.append({"qid": 9, "img_name": "xmlab4/source.jpg", "question": "Is this the brain?", "answer": "Yes",
+                 "answer_type": "CLOSED", "q_lang": "en", "modality": "MRI", "location": "Brain"})
     (tmp_path / "validate.json").write_text(json.dumps(rows))
+    rows_written = rows
     assert load_script("pairing_similarity").main(["--data", str(tmp_path), "--split", "validate"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # 1->2 and 3->4 match, 2->3 and 4->1 do not; 4 of the 12 ordered pairs of distinct images match
     assert result["images"] == 4 and result["shuffled_pairs_alike"] == 2
     assert result["all_pairs_alike_share"] == round(4 / 12, 4) and 0 <= result["random_pairs_alike"] <= 4
+    # every image was asked "Is it?"; only xmlab4 "Is this the brain?" (its neighbour xmlab1 was not).
+    # Answers alike: 3->4 (Yes, yes) and 4->1 (yes, Yes); 1->2 and 2->3 differ
+    assert result["shuffled_closed_answers"] == {"closed": 5, "asked_there": 4, "same_answer": 2}
+    assert result["random_closed_answers"]["asked_there"] == 4
+    # With evaluate.py's rows: a model right with its own image and answering Yes with any other
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"qid": str(r["qid"]), "reference": r["answer"], "answer_type": "CLOSED",
+                                        "no_retrieval": r["answer"], "shuffled_image": "Yes", "random_image": "Yes"})
+                            + "\n" for r in rows_written))
+    assert load_script("pairing_similarity").main(["--data", str(tmp_path), "--split", "validate",
+                                                   "--rows", str(rows)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["shuffled_closed_answers"]
+    assert result["same_answer_there"] == {"n": 2, "right_own_image": 2, "right_other_image": 2}
+    # 1->2 (Yes there No) and 2->3 (No there Yes): "Yes" with the other image is right for the first only
+    assert result["other_answer_there"] == {"n": 2, "right_own_image": 2, "right_other_image": 1}
 
 
 def test_a_kept_row_is_answered_again_only_when_it_lacks_what_the_run_needs():
