@@ -251,7 +251,7 @@ class Calibration:
     def unusable_for_open(self, projector_sha256: str | None, open_choices: dict) -> str:
         """Why this file does not describe the open answers chosen among training answers by a model with this
         projector file and these `open_choices` settings (scripts/calibrate_open.py's open_choices_meta: the
-        open answers file's digest, min_similarity, max, min_images, prior); "" when it does."""
+        open answers file's digest, min_similarity, max, min_images, prior, answerer); "" when it does."""
         if self.meta.get("kind") != OPEN_CHOICE:
             return "not fitted for open answers chosen among training answers; fit one with scripts/calibrate_open.py"
         fitted = self.meta.get("projector_sha256")
@@ -267,7 +267,8 @@ class Calibration:
             if key == "open_answers_sha256":
                 return (f"fitted with the open answers file {str(fitted)[:12]}… and this profile uses {value[:12]}…; "
                         "refit it with scripts/calibrate_open.py")
-            return (f"fitted with decoder.open_choices_{key} {fitted} and this profile uses {value}; "
+            setting = "decoder.open_answerer" if key == "answerer" else f"decoder.open_choices_{key}"
+            return (f"fitted with {setting} {fitted} and this profile uses {value}; "
                     "refit it with scripts/calibrate_open.py")
         return ""
 

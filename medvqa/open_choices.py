@@ -122,10 +122,11 @@ def leaning(record: dict) -> str:
 
 def fitted_settings(decoder, digest: str) -> dict:
     """The settings a chosen answer's margin depends on, as an open-answer calibration records them: the open
-    answers file (its content digest) and decoder.open_choices_*."""
+    answers file (its content digest), decoder.open_choices_* and decoder.open_answerer (with "encoder_head" the
+    head takes the questions it reads firmly, and the decoder chooses for the rest, another population)."""
     return {"open_answers_sha256": digest, "min_similarity": decoder.open_choices_min_similarity,
             "max": decoder.open_choices_max, "min_images": decoder.open_choices_min_images,
-            "prior": decoder.open_choices_prior}
+            "prior": decoder.open_choices_prior, "answerer": decoder.open_answerer}
 
 
 class OpenAnswers:

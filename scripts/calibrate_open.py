@@ -13,7 +13,7 @@ answer is right when it holds every word of the reference (evaluate.py's open re
 projector, the open answers file and the open-choice settings, so the app uses it only with those.
 
 As for closed answers, the fit is also scored out of fold (5 folds drawn by image content: PathVQA repeats one
-image under many file names): the app shows the clinician how often answers with such a confidence were right
+image under many file names; drawn 10 times, each answer's confidence the mean of its 10 out-of-fold ones): the app shows the clinician how often answers with such a confidence were right
 out of fold, and the threshold is the lowest on a grid (0.50-0.95) at which the answered questions (20 at
 least) are right --target-accuracy of the time out of fold. A group whose answers reach that accuracy at no
 threshold is marked `abstain`: the app says "Uncertain" to all of its chosen answers, naming the answer it
@@ -41,7 +41,8 @@ from medvqa.config import load_settings
 from medvqa.confidence import NEVER, OPEN_CHOICE, Calibration, fit_platt, reliability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate_closed import add_held_out_arguments, choose_threshold, risk_coverage, summary_at  # noqa: E402
+from calibrate_closed import (FOLD_DRAWS, add_held_out_arguments, choose_threshold, risk_coverage,  # noqa: E402
+                              summary_at)
 
 MIN_GROUP = 100  # fewer chosen answers about an image group than this: its images get the pooled fit
 FOLDS = 5
@@ -120,11 +121,14 @@ def confidences(fit: tuple[float, ...], scores: dict, mask: np.ndarray, share: b
     return 1.0 / (1.0 + np.exp(-z))
 
 
-def out_of_fold(scores: dict, mask: np.ndarray, share: bool, seed: int = 0) -> np.ndarray:
+def out_of_fold(scores: dict, mask: np.ndarray, share: bool, seed: int = 0, draws: int = 1) -> np.ndarray:
     """Each masked question's confidence from a fit on the other folds, drawn by image content (PathVQA repeats
-    one image under many file names: those must fall in one fold)."""
+    one image under many file names: those must fall in one fold); with `draws` > 1 the mean over that many draws
+    of the folds (calibrate_closed.out_of_fold)."""
     import random
 
+    if draws > 1:
+        return np.mean([out_of_fold(scores, mask, share, seed + k) for k in range(draws)], axis=0)
     images = sorted(set(scores["content"][mask].tolist()))
     random.Random(seed).shuffle(images)
     fold_of = {image: i % FOLDS for i, image in enumerate(images)}
@@ -148,7 +152,7 @@ def fitted_part(scores: dict, mask: np.ndarray, share: bool, target: float, name
     out-of-fold confidences."""
     correct = scores["correct"][mask]
     fit = fit_one(scores, mask, share)
-    held = out_of_fold(scores, mask, share)
+    held = out_of_fold(scores, mask, share, draws=FOLD_DRAWS)
     in_sample = confidences(fit, scores, mask, share)
     threshold = choose_threshold(held, correct, target)
     if not threshold["met"]:
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration.meta = {
         "fitted_on": {**fitted_with["held_out"], "questions": int(len(scores["correct"])),
                       "images": len(set(scores["content"].tolist())),
-                      "answer_right_when": "it holds every word of the reference (open recall 1)"},
+                      "answer_right_when": "it holds every word of the reference (open recall 1)",
+                      "out_of_fold_draws": FOLD_DRAWS},
         "kind": OPEN_CHOICE,
         "projector_sha256": fitted_with["projector_sha256"],
         "open_choices": fitted_with["open_choices"],

@@ -143,6 +143,8 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     pooled = fit_platt(kept["margin"].astype(float), kept["correct"].astype(bool))
     assert saved["fits"][PRESUPPOSED] == pytest.approx({"a": pooled[0], "b": pooled[1]})
     fitted = saved["fitted_on"]
+    # The engine that scored the answers is kept with the scores and recorded; so are the folds' draws.
+    assert saved["engine"] == str(kept["engine"]) == "transformers" and fitted["out_of_fold_draws"] > 1
     assert fitted["val_by_image"] and fitted["images"] >= 2 and fitted["by_kind"] == {YES_NO: fitted["images"],
                                                                                       CHOICE: fitted["images"],
                                                                                       PRESUPPOSED: 0}
@@ -201,6 +203,26 @@ def test_the_threshold_is_the_lowest_that_reaches_the_target_out_of_fold():
     assert script.choose_threshold(held, scores["correct"], target=0.8) == {
         "target_accuracy": 0.8, "min_answered": script.MIN_ANSWERED, "min_confidence": None, "met": False,
         "answered_share_out_of_fold": None, "accuracy_answered_out_of_fold": None}
+
+
+def test_out_of_fold_confidences_are_the_mean_over_several_draws_of_the_folds():
+    """Each draw of the folds gives each question a confidence from fits that never saw it; the scripts use the mean
+    over FOLD_DRAWS draws, so the chosen threshold does not hang on one draw."""
+    script = load_script("calibrate_closed")
+    rng = np.random.default_rng(1)
+    margin = rng.uniform(0, 2, 300)
+    scores = {"margin": margin, "kind": np.full(300, YES_NO), "correct": rng.random(300) < 0.3 + 0.3 * margin,
+              "image": np.asarray([f"{n % 60}.png" for n in range(300)])}
+    draws = [script.out_of_fold(scores, seed=k) for k in range(3)]
+    assert not np.allclose(draws[0], draws[1])  # another draw of the folds, other fits
+    assert np.allclose(script.out_of_fold(scores, draws=3), np.mean(draws, axis=0))
+    assert np.array_equal(script.out_of_fold(scores, draws=1), draws[0])
+    assert script.FOLD_DRAWS > 1
+    opened = load_script("calibrate_open")
+    mask = np.ones(300, bool)
+    both = {"margin": margin, "share": np.full(300, 0.5), "correct": scores["correct"], "content": scores["image"]}
+    assert np.allclose(opened.out_of_fold(both, mask, False, draws=2),
+                       (opened.out_of_fold(both, mask, False) + opened.out_of_fold(both, mask, False, seed=1)) / 2)
 
 
 def _out_of_fold_meta(threshold: dict | None = None) -> dict:

@@ -30,7 +30,7 @@ RECORD = {"answer": "CT", "nearest": "What modality is used to take this image?"
 def _decoder(**changes):
     decoder = SimpleNamespace(abstain=True, min_confidence=0.7, threshold_from_calibration=True,
                               open_choices_min_similarity=1.0, open_choices_max=4, open_choices_min_images=2,
-                              open_choices_prior=0.0)
+                              open_choices_prior=0.0, open_answerer="decoder")
     return SimpleNamespace(**{**vars(decoder), **changes})
 
 
@@ -44,7 +44,7 @@ def _calibration(projector="p" * 64, digest="d" * 64, **settings) -> dict:
     """An open-answer calibration: grey answers at 0.75 and above (a + b + c log share), colour answers never."""
     return {"fits": {OPEN_CHOICE: {"a": 1.0, "b": 0.0}}, "kind": OPEN_CHOICE, "projector_sha256": projector,
             "open_choices": {"open_answers_sha256": digest, "min_similarity": 1.0, "max": 4, "min_images": 2,
-                             "prior": 0.0, **settings},
+                             "prior": 0.0, "answerer": "decoder", **settings},
             "threshold": {"met": True, "min_confidence": 0.6},
             "groups": {GREY: _part(GREY, (2.0, 0.0, 1.0), {"met": True, "min_confidence": 0.75},
                                    [{"bin": "0.0-0.5", "n": 30, "accuracy": 0.3, "mean_confidence": 0.4},
@@ -138,12 +138,16 @@ def test_the_answer_the_note_and_the_transcript_say_what_was_measured(tmp_path):
 
 def test_a_file_fitted_for_another_model_or_other_choices_is_not_used(tmp_path, caplog):
     path = tmp_path / "open.json"
-    settings = {"open_answers_sha256": "d" * 64, "min_similarity": 1.0, "max": 4, "min_images": 2, "prior": 0.0}
+    settings = {"open_answers_sha256": "d" * 64, "min_similarity": 1.0, "max": 4, "min_images": 2, "prior": 0.0,
+                "answerer": "decoder"}
     path.write_text(json.dumps(_calibration()))
     assert open_calibration_for(str(path), "p" * 64, settings).groups
     assert "projector" in open_calibration_for(str(path), "q" * 64, settings).unused
     other = open_calibration_for(str(path), "p" * 64, dict(settings, max=8))
     assert "decoder.open_choices_max 4 and this profile uses 8" in other.unused and not other.fits
+    # With the answer head taking open questions the decoder chooses for the others: another population
+    head = open_calibration_for(str(path), "p" * 64, dict(settings, answerer="encoder_head"))
+    assert "decoder.open_answerer decoder and this profile uses encoder_head" in head.unused
     assert "the open answers file" in open_calibration_for(str(path), "p" * 64,
                                                            dict(settings, open_answers_sha256="e" * 64)).unused
     closed = tmp_path / "closed.json"

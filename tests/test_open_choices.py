@@ -277,7 +277,7 @@ def test_evaluate_reports_open_recall_by_route_and_names_the_run_by_the_choices(
         "fits": {"open choice": {"a": 0.0, "b": 0.0}}, "kind": "open choice", "projector_sha256": None,
         "threshold": {"met": True, "min_confidence": 0.6},
         "open_choices": {"open_answers_sha256": OpenAnswers.load(answers).digest, "min_similarity": 1.0, "max": 4,
-                         "min_images": 2, "prior": 0.0}}))
+                         "min_images": 2, "prior": 0.0, "answerer": "decoder"}}))
     env = dict(os.environ, MEDVQA_CACHE=str(tiny_cache), OMP_NUM_THREADS="1", MEDVQA_DECODER__OPEN_CHOICES="training_answers",
                MEDVQA_DECODER__OPEN_ANSWERS=str(answers), MEDVQA_DECODER__OPEN_CALIBRATION=str(calibration))
     command = [sys.executable, "scripts/evaluate.py", "--profile", "tiny", "--dataset", "jsonl", "--data", str(data),
