@@ -251,7 +251,8 @@ class Calibration:
     def unusable_for_open(self, projector_sha256: str | None, open_choices: dict) -> str:
         """Why this file does not describe the open answers chosen among training answers by a model with this
         projector file and these `open_choices` settings (scripts/calibrate_open.py's open_choices_meta: the
-        open answers file's digest, min_similarity, max, min_images, prior, answerer); "" when it does."""
+        open answers file's digest, min_similarity, max, min_images, prior, answerer, and with the head answering open
+        questions its digest and thresholds); "" when it does."""
         if self.meta.get("kind") != OPEN_CHOICE:
             return "not fitted for open answers chosen among training answers; fit one with scripts/calibrate_open.py"
         fitted = self.meta.get("projector_sha256")
@@ -264,10 +265,14 @@ class Calibration:
             fitted = recorded.get(key)
             if fitted == value:
                 continue
-            if key == "open_answers_sha256":
-                return (f"fitted with the open answers file {str(fitted)[:12]}… and this profile uses {value[:12]}…; "
+            if key in ("open_answers_sha256", "head"):
+                what = "the open answers file" if key == "open_answers_sha256" else "answer head"
+                return (f"fitted with {what} {str(fitted)[:12]}… and this profile uses {str(value)[:12]}…; "
                         "refit it with scripts/calibrate_open.py")
-            setting = "decoder.open_answerer" if key == "answerer" else f"decoder.open_choices_{key}"
+            setting = _OPEN_SETTINGS.get(key, f"decoder.open_choices_{key}")
+            if fitted is None:
+                return (f"fitted before {setting} was recorded (this profile uses {value}); "
+                        "refit it with scripts/calibrate_open.py")
             return (f"fitted with {setting} {fitted} and this profile uses {value}; "
                     "refit it with scripts/calibrate_open.py")
         return ""
@@ -319,6 +324,11 @@ class Calibration:
         confidence = self.confidence(margin, kind, strength)
         abstained = bool(abstain and confidence is not None and confidence < min_confidence)
         return Verdict(choice, margin, kind, confidence, abstained, self.held_out(confidence))
+
+
+# open_choices.fitted_settings' keys that are not decoder.open_choices_*
+_OPEN_SETTINGS = {"answerer": "decoder.open_answerer", "head_min_probability": "decoder.head_open_min_probability",
+                  "head_min_similarity": "decoder.head_open_min_similarity"}
 
 
 def load_calibration(path: str, answers: str = "closed answers") -> Calibration:

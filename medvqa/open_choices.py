@@ -120,13 +120,18 @@ def leaning(record: dict) -> str:
                         else "chosen answers with a confidence below the threshold")
 
 
-def fitted_settings(decoder, digest: str) -> dict:
+def fitted_settings(decoder, digest: str, head_digest: str | None = None) -> dict:
     """The settings a chosen answer's margin depends on, as an open-answer calibration records them: the open
-    answers file (its content digest), decoder.open_choices_* and decoder.open_answerer (with "encoder_head" the
-    head takes the questions it reads firmly, and the decoder chooses for the rest, another population)."""
-    return {"open_answers_sha256": digest, "min_similarity": decoder.open_choices_min_similarity,
-            "max": decoder.open_choices_max, "min_images": decoder.open_choices_min_images,
-            "prior": decoder.open_choices_prior, "answerer": decoder.open_answerer}
+    answers file (its content digest), decoder.open_choices_* and decoder.open_answerer. With "encoder_head" the
+    head takes the open questions it reads firmly and the decoder chooses for the rest, another population, which
+    the head (`head_digest`) and its thresholds decide: those are recorded too."""
+    fitted = {"open_answers_sha256": digest, "min_similarity": decoder.open_choices_min_similarity,
+              "max": decoder.open_choices_max, "min_images": decoder.open_choices_min_images,
+              "prior": decoder.open_choices_prior, "answerer": decoder.open_answerer}
+    if decoder.open_answerer == "encoder_head":
+        fitted.update(head=head_digest, head_min_probability=decoder.head_open_min_probability,
+                      head_min_similarity=decoder.head_open_min_similarity)
+    return fitted
 
 
 class OpenAnswers:
@@ -258,15 +263,17 @@ def _confidence(record: dict) -> str:
     return "How often such answers are right is not measured for this model."
 
 
-def load_open_calibration(settings, answers: OpenAnswers | None, projector_sha256: str | None):
+def load_open_calibration(settings, answers: OpenAnswers | None, projector_sha256: str | None,
+                          head_digest: str | None = None):
     """How often a chosen open answer is right (decoder.open_calibration): only a file fitted for this projector,
-    open answers file and open_choices settings (confidence.open_calibration_for); None without `answers`."""
+    open answers file, open_choices settings and open answerer (with the head answering open questions,
+    `head_digest`: the head loaded) (confidence.open_calibration_for); None without `answers`."""
     from .confidence import open_calibration_for
 
     if answers is None:
         return None
     return open_calibration_for(settings.decoder.open_calibration, projector_sha256,
-                                fitted_settings(settings.decoder, answers.digest))
+                                fitted_settings(settings.decoder, answers.digest, head_digest))
 
 
 def load_open_answers(settings, scores_options: bool) -> OpenAnswers | None:

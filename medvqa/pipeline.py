@@ -217,8 +217,9 @@ class Pipeline(ClosedQuestions):
         # answered by the decoder scoring the answers training gave to it (medvqa/open_choices.py).
         self.open_answers = load_open_answers(settings, engine.scores_options)
         # How often a chosen open answer is right (decoder.open_calibration), when the app chooses any.
-        self.open_calibration = load_open_calibration(settings, self.open_answers,
-                                                      model.projector.sha256 if model else None)
+        self.open_calibration = load_open_calibration(
+            settings, self.open_answers, model.projector.sha256 if model else None,
+            self.answer_head.digest if self.head_opens else None)
         # Only a calibration fitted for this projector file, yes_bias and yes/no answerer; a remote
         # engine's vision side is not a file of ours, so no file-bound calibration describes it either.
         self.calibration = calibration_for(

@@ -190,7 +190,12 @@ def open_choices_meta(settings) -> dict:
     from medvqa.config import resolve_path
     from medvqa.open_choices import OpenAnswers, fitted_settings
 
-    return fitted_settings(settings.decoder, OpenAnswers.load(resolve_path(settings.decoder.open_answers)).digest)
+    head = None
+    if settings.decoder.open_answerer == "encoder_head":
+        from calibrate_closed import answer_head_digest
+
+        head = answer_head_digest(settings)
+    return fitted_settings(settings.decoder, OpenAnswers.load(resolve_path(settings.decoder.open_answers)).digest, head)
 
 
 def stamp(args, settings) -> dict:

@@ -13,7 +13,8 @@ It also measures how far reading the scan can lift a model above each other imag
 questions whose other image was asked the same question (the same words), the share with the same
 reference answer there. A model that read every scan perfectly would score that share on those
 questions with the other image, so 100 minus it is the most any model can gain over that pairing on them.
-Only SLAKE's training and validation metadata and questions are read.
+Only SLAKE's training and validation metadata and questions are read (and, with --rows, evaluate.py's rows of
+a whole-split run).
 """
 
 from __future__ import annotations
@@ -47,40 +48,46 @@ def _words(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9 ]", " ", text.lower()).split())
 
 
-def answers_alike(examples, pairing: dict, rows: dict | None = None) -> dict:
+def answers_alike(examples, pairing: dict, rows: dict | None = None, condition: str = "shuffled_image") -> dict:
     """Closed questions whose other image (pairing) was asked the same words, and of those how many have
-    the same reference answer there. With `rows` (evaluate.py's rows by qid, answered with the question's own
-    image in `no_retrieval` and with the other in `condition`), how often the model was right with each image,
-    for the questions whose other image has the same answer and for those where it has another: a model that
-    reads the scan is right with its own image and, where the answer there differs, wrong with the other."""
+    the same reference answer there (any of its answers, where it was asked twice). With `rows` (evaluate.py's
+    rows by qid, answered with the question's own image in `no_retrieval` and with the other in `condition`), how
+    often the model was right with each image, for the questions whose other image has the same answer and for
+    those where it has another: a model that reads the scan is right with its own image and, where the answer
+    there differs, wrong with the other."""
     asked = {}
     for e in examples:
-        asked.setdefault(e.image, {})[_words(e.question)] = _words(e.answer)
+        asked.setdefault(e.image, {}).setdefault(_words(e.question), set()).add(_words(e.answer))
     closed = [e for e in examples if e.answer_type == "CLOSED"]
     there = [asked[pairing[e.image]].get(_words(e.question)) for e in closed]
     result = {"closed": len(closed), "asked_there": sum(a is not None for a in there),
-              "same_answer": sum(a == _words(e.answer) for a, e in zip(there, closed))}
+              "same_answer": sum(a is not None and _words(e.answer) in a for a, e in zip(there, closed))}
     if rows is not None:
         from medvqa.answers import closed_correct
 
-        condition = rows.pop("_condition")
-        for part, keep in (("same_answer_there", lambda a, e: a == _words(e.answer)),
-                           ("other_answer_there", lambda a, e: a is not None and a != _words(e.answer))):
-            mine = [rows[e.qid] for a, e in zip(there, closed) if keep(a, e) and e.qid in rows
-                    and "no_retrieval" in rows[e.qid] and condition in rows[e.qid]]
+        lacking = [e.qid for e in closed if not {"no_retrieval", condition} <= set(rows.get(e.qid, ()))]
+        if lacking:
+            # evaluate.py pairs the images of the questions it ran (a --limit run: a subset), so rows of another
+            # set of questions were answered with other images than this pairing's
+            raise SystemExit(f"{len(lacking)} closed questions of the split have no row answered with no_retrieval "
+                             f"and {condition} (e.g. {lacking[0]}): give the rows of a whole-split run")
+        for part, keep in (("same_answer_there", lambda a, e: _words(e.answer) in a),
+                           ("other_answer_there", lambda a, e: _words(e.answer) not in a)):
+            mine = [rows[e.qid] for a, e in zip(there, closed) if a is not None and keep(a, e)]
             result[part] = {"n": len(mine),
                             "right_own_image": sum(closed_correct(r["no_retrieval"], r["reference"]) for r in mine),
                             "right_other_image": sum(closed_correct(r[condition], r["reference"]) for r in mine)}
     return result
 
 
-def load_rows(path: str, condition: str) -> dict:
+def load_rows(path: str) -> dict:
+    """evaluate.py's per-question rows (its run's JSONL) by qid."""
     rows = {}
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             rows[str(row["qid"])] = row
-    return {**rows, "_condition": condition}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -96,6 +103,7 @@ def main(argv=None) -> int:
                                        "model was right with each image on the questions asked of both")
     args = parser.parse_args(argv)
 
+    rows = load_rows(args.rows) if args.rows else None
     meta = folder_metadata(Path(args.data))
     examples = (load_examples("slake", args.data, args.split) if args.split else
                 load_examples("jsonl", str(Path(args.jsonl).parent), Path(args.jsonl).stem))
@@ -109,8 +117,7 @@ def main(argv=None) -> int:
               "random_pairs_alike": sum(of[a] == of[b] for a, b in derangement(examples, seed=0).items()),
               "all_pairs_alike_share": round(sum(c * (c - 1) for c in counts.values()) / (n * (n - 1)), 4)}
     for name, pairing in (("shuffled", derangement(examples)), ("random", derangement(examples, seed=0))):
-        rows = load_rows(args.rows, f"{name}_image") if args.rows else None
-        alike = result[f"{name}_closed_answers"] = answers_alike(examples, pairing, rows)
+        alike = result[f"{name}_closed_answers"] = answers_alike(examples, pairing, rows, f"{name}_image")
         asked = alike["asked_there"]
         print(f"{name} image: {asked} of {alike['closed']} closed questions were asked of it too, "
               f"{alike['same_answer']} with the same answer"

@@ -41,7 +41,7 @@ import calibrate_closed  # noqa: E402
 def app_answers(scores: dict, similarity: np.ndarray, like: float | None, target: float, configured: float) -> dict:
     """What the app would answer out of fold (calibrate_closed.py's app_out_of_fold) with the questions
     at least `like` similar fitted apart within each image group (None: image groups only)."""
-    held = calibrate_closed.out_of_fold(scores)
+    held = calibrate_closed.out_of_fold(scores, draws=calibrate_closed.FOLD_DRAWS)  # as fit_groups draws them
     pooled = calibrate_closed.choose_threshold(held, scores["correct"], target)
     fitted = calibrate_closed.fit_groups(scores, configured, target)
     worded = calibrate_closed.worded_groups(scores["group"], similarity, like)

@@ -73,7 +73,7 @@ def probe_scores(examples, picked, encoder_path: str, heads_path: str) -> tuple[
 
 def coverage(real: np.ndarray, truth: np.ndarray, images: list[str], source: np.ndarray, target: float) -> dict:
     """What the probe would answer if it answered closed questions itself: its |Yes - No| margin
-    calibrated out of fold by image (calibrate_closed.py's folds and threshold rule), the threshold
+    calibrated out of fold by image (calibrate_closed.py's folds, one draw, and threshold rule), the threshold
     chosen for `target` accuracy, and at it the share answered and their accuracy, by data spec."""
     from calibrate_closed import choose_threshold, out_of_fold, summary_at
 

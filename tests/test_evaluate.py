@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from .conftest import jsonl_bench, load_script
@@ -201,6 +202,10 @@ def test_pairing_similarity_counts_alike_neighbours_and_random_pairs(tmp_path, c
     assert result["same_answer_there"] == {"n": 2, "right_own_image": 2, "right_other_image": 2}
     # 1->2 (Yes there No) and 2->3 (No there Yes): "Yes" with the other image is right for the first only
     assert result["other_answer_there"] == {"n": 2, "right_own_image": 2, "right_other_image": 1}
+    # Rows of part of the split (a --limit run pairs other images) are refused
+    rows.write_text("".join(line + "\n" for line in rows.read_text().splitlines()[1:]))
+    with pytest.raises(SystemExit, match="whole-split run"):
+        load_script("pairing_similarity").main(["--data", str(tmp_path), "--split", "validate", "--rows", str(rows)])
 
 
 def test_a_kept_row_is_answered_again_only_when_it_lacks_what_the_run_needs():

@@ -148,6 +148,20 @@ def test_a_file_fitted_for_another_model_or_other_choices_is_not_used(tmp_path, 
     # With the answer head taking open questions the decoder chooses for the others: another population
     head = open_calibration_for(str(path), "p" * 64, dict(settings, answerer="encoder_head"))
     assert "decoder.open_answerer decoder and this profile uses encoder_head" in head.unused
+    # ... and which questions the head takes depends on the head and its thresholds, which are recorded with it
+    by_head = _decoder(open_answerer="encoder_head", head_open_min_probability=0.05, head_open_min_similarity=0.96)
+    assert fitted_settings(by_head, "d" * 64, "h" * 64) == dict(settings, answerer="encoder_head", head="h" * 64,
+                                                                head_min_probability=0.05, head_min_similarity=0.96)
+    path.write_text(json.dumps(_calibration(**fitted_settings(by_head, "d" * 64, "h" * 64))))
+    assert not open_calibration_for(str(path), "p" * 64, fitted_settings(by_head, "d" * 64, "h" * 64)).unused
+    assert "answer head hhhhhhhhhhhh… and this profile uses iiiiiiiiiiii…" in open_calibration_for(
+        str(path), "p" * 64, fitted_settings(by_head, "d" * 64, "i" * 64)).unused
+    # A file from before the answerer was recorded says so
+    older = _calibration()
+    del older["open_choices"]["answerer"]
+    path.write_text(json.dumps(older))
+    assert "fitted before decoder.open_answerer was recorded" in open_calibration_for(str(path), "p" * 64, settings).unused
+    path.write_text(json.dumps(_calibration()))
     assert "the open answers file" in open_calibration_for(str(path), "p" * 64,
                                                            dict(settings, open_answers_sha256="e" * 64)).unused
     closed = tmp_path / "closed.json"
