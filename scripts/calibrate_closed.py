@@ -120,8 +120,8 @@ def held_out_closed(args) -> list[tuple[str, object]]:
 
 
 def accuracy_by_kind(args, scores: dict) -> dict:
-    """The app's accuracy on the held-out closed questions by kind, and for those scored through a
-    presupposed open question by data spec and attribute (medvqa/presuppose.py)."""
+    """The app's accuracy on the held-out closed questions by kind, by data spec ("all, SPEC"), and for those
+    scored through a presupposed open question by data spec and attribute (medvqa/presuppose.py)."""
     from medvqa.presuppose import presupposition
 
     kind, correct = scores["kind"], scores["correct"].astype(bool)
@@ -129,6 +129,8 @@ def accuracy_by_kind(args, scores: dict) -> dict:
     groups["yes/no, either way"] = (kind == "yes/no") | (kind == "presupposed") | (kind == HEAD)
     questions = held_out_closed(args)
     if len(questions) == len(kind):  # the same questions (the data and hold-out the scores were made with)
+        for k, (spec, _) in enumerate(questions):
+            groups.setdefault(f"all, {spec}", np.zeros(len(kind), bool))[k] = True
         for k, (spec, example) in enumerate(questions):
             if kind[k] == "presupposed":
                 name = f"presupposed, {spec} {presupposition(example.question).kind}"
@@ -172,29 +174,43 @@ def kind_counts(kinds: np.ndarray) -> dict[str, int]:
     return {name: int((kinds == name).sum()) for name in KINDS if name != HEAD or (kinds == HEAD).any()}
 
 
-def out_of_fold(scores: dict, folds: int = 5, seed: int = 0, draws: int = 1) -> np.ndarray:
-    """Each question's confidence from a fit on the other folds (folds drawn by image content: PathVQA repeats
-    one image under many file names, which must fall in one fold); with the scores' "strength" (the answer
-    head's), fitted on it too. With `draws` > 1, the folds are drawn that many times (seeds `seed`,
-    `seed` + 1, ...) and each question gets the mean of its out-of-fold confidences: still from fits that
-    never saw it, and no longer hanging on one draw of the folds (FOLD_DRAWS)."""
-    if draws > 1:
-        return np.mean([out_of_fold(scores, folds, seed + k) for k in range(draws)], axis=0)
-    content = image_contents(scores["image"])
+def folds_by_content(content: np.ndarray, folds: int, seed: int) -> np.ndarray:
+    """Each question's fold, drawn by its image's content with `seed` (PathVQA repeats one image under many file
+    names, and the copies must fall in one fold)."""
     images = sorted(set(content.tolist()))
     random.Random(seed).shuffle(images)
     fold_of = {image: i % folds for i, image in enumerate(images)}
-    which = np.asarray([fold_of[image] for image in content])
+    return np.asarray([fold_of[image] for image in content.tolist()])
+
+
+def out_of_fold(scores: dict, folds: int = 5, seed: int = 0, draws: int = 1) -> np.ndarray:
+    """Each question's confidence from a fit on the other folds (folds_by_content); with the scores' "strength"
+    (the answer head's), fitted on it too. With `draws` > 1, the folds are drawn that many times (seeds `seed`,
+    `seed` + 1, ...) and each question gets the mean of its out-of-fold confidences: still from fits that
+    never saw it, and no longer hanging on one draw of the folds (FOLD_DRAWS)."""
+    content = image_contents(scores["image"])
     strength = scores.get("strength")
-    confidence = np.zeros(len(which))
-    for k in range(folds):
-        rest = which != k
-        calibration = fit(scores["margin"][rest], scores["kind"][rest], scores["correct"][rest],
-                          None if strength is None else strength[rest])
-        for i in np.flatnonzero(~rest):
-            confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]),
-                                                   None if strength is None else float(strength[i]))
-    return confidence
+
+    def one_draw(which: np.ndarray) -> np.ndarray:
+        confidence = np.zeros(len(which))
+        for k in range(folds):
+            rest = which != k
+            calibration = fit(scores["margin"][rest], scores["kind"][rest], scores["correct"][rest],
+                              None if strength is None else strength[rest])
+            for i in np.flatnonzero(~rest):
+                confidence[i] = calibration.confidence(float(scores["margin"][i]), str(scores["kind"][i]),
+                                                       None if strength is None else float(strength[i]))
+        return confidence
+
+    return np.mean([one_draw(folds_by_content(content, folds, seed + k)) for k in range(draws)], axis=0)
+
+
+def load_scores(path) -> tuple[dict, str | None]:
+    """Scores this script kept (--scores), margins as floats and `correct` as booleans, and the engine that made
+    them (None for scores kept before it was recorded)."""
+    scores = dict(np.load(path))
+    engine = str(scores.pop("engine")) if "engine" in scores else None
+    return {**scores, "margin": scores["margin"].astype(float), "correct": scores["correct"].astype(bool)}, engine
 
 
 _CONTENT: dict[str, str] = {}
@@ -516,11 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     head = settings.decoder.closed_answerer == "encoder_head"
     out = Path(args.out or (settings.decoder.head_calibration if head else settings.decoder.calibration))
     if args.reuse:
-        scores = dict(np.load(args.scores))
+        scores, engine = load_scores(args.scores)
         if head != bool((scores["kind"] == HEAD).any()):
             raise SystemExit(f"{args.scores} holds answers {'without' if head else 'with'} the answer head; "
                              f"score again, or {'unset' if head else 'set'} MEDVQA_DECODER__CLOSED_ANSWERER")
-        engine = str(scores.pop("engine")) if "engine" in scores else None  # not kept before 2026-12-04
     else:
         from medvqa.engines import engine_label
 

@@ -41,8 +41,8 @@ from medvqa.config import load_settings
 from medvqa.confidence import NEVER, OPEN_CHOICE, Calibration, fit_platt, reliability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from calibrate_closed import (FOLD_DRAWS, add_held_out_arguments, choose_threshold, risk_coverage,  # noqa: E402
-                              summary_at)
+from calibrate_closed import (FOLD_DRAWS, add_held_out_arguments, choose_threshold, folds_by_content,  # noqa: E402
+                              risk_coverage, summary_at)
 
 MIN_GROUP = 100  # fewer chosen answers about an image group than this: its images get the pooled fit
 FOLDS = 5
@@ -122,24 +122,19 @@ def confidences(fit: tuple[float, ...], scores: dict, mask: np.ndarray, share: b
 
 
 def out_of_fold(scores: dict, mask: np.ndarray, share: bool, seed: int = 0, draws: int = 1) -> np.ndarray:
-    """Each masked question's confidence from a fit on the other folds, drawn by image content (PathVQA repeats
-    one image under many file names: those must fall in one fold); with `draws` > 1 the mean over that many draws
-    of the folds (calibrate_closed.out_of_fold)."""
-    import random
-
-    if draws > 1:
-        return np.mean([out_of_fold(scores, mask, share, seed + k) for k in range(draws)], axis=0)
-    images = sorted(set(scores["content"][mask].tolist()))
-    random.Random(seed).shuffle(images)
-    fold_of = {image: i % FOLDS for i, image in enumerate(images)}
-    which = np.asarray([fold_of[image] for image in scores["content"][mask]])
+    """Each masked question's confidence from a fit on the other folds, drawn by image content
+    (calibrate_closed.folds_by_content); with `draws` > 1 the mean over that many draws of the folds (seeds
+    `seed`, `seed` + 1, ...), as calibrate_closed.out_of_fold."""
     part = {key: value[mask] for key, value in scores.items()}
-    held = np.zeros(int(mask.sum()))
-    for k in range(FOLDS):
-        rest = which != k
-        fit = fit_one(part, rest, share)
-        held[~rest] = confidences(fit, part, ~rest, share)
-    return held
+
+    def one_draw(which: np.ndarray) -> np.ndarray:
+        held = np.zeros(len(which))
+        for k in range(FOLDS):
+            rest = which != k
+            held[~rest] = confidences(fit_one(part, rest, share), part, ~rest, share)
+        return held
+
+    return np.mean([one_draw(folds_by_content(part["content"], FOLDS, seed + k)) for k in range(draws)], axis=0)
 
 
 def log_loss(confidence: np.ndarray, correct: np.ndarray) -> float:

@@ -66,9 +66,7 @@ def main(argv=None) -> int:
 
     from medvqa.config import load_settings
 
-    scores = dict(np.load(args.scores))
-    scores.pop("engine", None)  # what scored them (calibrate_closed.py keeps it): not a per-question array
-    scores = {**scores, "margin": scores["margin"].astype(float), "correct": scores["correct"].astype(bool)}
+    scores, _ = calibrate_closed.load_scores(args.scores)
     split = SimpleNamespace(data=args.data, val=args.val, val_by_image=args.val_by_image, seed=args.seed,
                             holdout_percent=args.holdout_percent)
     questions = calibrate_closed.held_out_closed(split)

@@ -156,6 +156,9 @@ def test_calibrate_closed_fits_on_held_out_training_images(tmp_path, tiny_settin
     assert by_kind[YES_NO]["n"] == int((kept["kind"] == YES_NO).sum()) == fitted["images"]
     assert by_kind[YES_NO]["accuracy"] == round(float(kept["correct"][kept["kind"] == YES_NO].mean()), 4)
     assert PRESUPPOSED not in by_kind  # the tiny profile scores Yes against No
+    # ... and by data spec: every held-out question belongs to the one spec given
+    [spec] = [name for name in by_kind if name.startswith("all, ")]
+    assert by_kind[spec] == {"n": len(kept["correct"]), "accuracy": round(float(kept["correct"].mean()), 4)}
     assert saved["out_of_fold"]["risk_coverage"]["coverage"][-1] == 1.0
     assert load_calibration(str(out)).fits  # the app reads what the script wrote
     # Each question's image group is kept with its score; groups this small get no fit of their own.
@@ -218,6 +221,11 @@ def test_out_of_fold_confidences_are_the_mean_over_several_draws_of_the_folds():
     assert np.allclose(script.out_of_fold(scores, draws=3), np.mean(draws, axis=0))
     assert np.array_equal(script.out_of_fold(scores, draws=1), draws[0])
     assert script.FOLD_DRAWS > 1
+    # the folds are drawn by content: two names of one image share a fold, in every draw
+    content = np.asarray(["a", "b", "a", "c", "d", "e"])
+    for seed in range(5):
+        which = script.folds_by_content(content, 5, seed)
+        assert which[0] == which[2] and len(set(which[[0, 1, 3, 4, 5]].tolist())) == 5
     opened = load_script("calibrate_open")
     mask = np.ones(300, bool)
     both = {"margin": margin, "share": np.full(300, 0.5), "correct": scores["correct"], "content": scores["image"]}
