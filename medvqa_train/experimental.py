@@ -3,7 +3,9 @@ through scripts/train_projector.py's experimental flags, off by default.
 
 - A two-way Yes/No loss at the first answer position (--closed-weight).
 - An image-reliance hinge: each yes/no question asked again with another image of the batch
-  (--contrast-weight); the shuffled-image test as a training signal.
+  (--contrast-weight); the shuffled-image test as a training signal. With --contrast-partner
+  counterfactual, the other image is one of the most similar training images asked the same
+  question with the opposite answer.
 - LoRA adapters on the decoder (--lora). The design keeps the decoder frozen; a LoRA run writes a
   whole merged decoder for the transformers engine, never used by a profile.
 """
@@ -58,6 +60,67 @@ def image_contrast_loss(decoder: LanguageModel, projector, batch: list, rows: li
     wanted = torch.tensor([batch[row].yes_no for row in paired_rows])
     other = two_way_right(decoder, other_hidden[torch.arange(len(kept)), first[paired_rows]], choices, wanted)
     return torch.relu(margin - (own[kept] - other)).mean()
+
+
+def attach_counterparts(items: list, questions: list[str], answers: list[int], keep: int = 3) -> list:
+    """Give each yes/no training item (answers[i] 0 yes, 1 no, -1 otherwise) the features of up to
+    `keep` other training images asked the same question (normalised words) with the opposite
+    answer, the most similar first (cosine of the mean feature): the pairs where only reading the
+    image tells the answers apart, hardest first, as the evaluation's neighbouring slice is.
+    Items without such a partner are returned unchanged."""
+    from medvqa.answers import normalise
+
+    groups: dict[str, list[int]] = {}
+    for index, (question, answer) in enumerate(zip(questions, answers)):
+        if answer >= 0:
+            groups.setdefault(normalise(question), []).append(index)
+    summary: dict[int, torch.Tensor] = {}
+
+    def mean_feature(index: int) -> torch.Tensor:
+        key = id(items[index].features)
+        if key not in summary:
+            summary[key] = torch.nn.functional.normalize(items[index].features.float().mean(0), dim=0)
+        return summary[key]
+
+    out = list(items)
+    for members in groups.values():
+        for index in members:
+            own = items[index].features
+            others, seen = [], set()
+            for other in members:
+                candidate = items[other].features
+                if (answers[other] == answers[index] or id(candidate) in seen or candidate is own
+                        or torch.equal(candidate, own)):
+                    continue
+                seen.add(id(candidate))
+                others.append(other)
+            if not others:
+                continue
+            target = mean_feature(index)
+            others.sort(key=lambda other: -float(mean_feature(other) @ target))
+            out[index] = dataclasses.replace(items[index], contrast_answer=answers[index],
+                                             counterparts=tuple(items[o].features for o in others[:keep]))
+    return out
+
+
+def counterfactual_contrast_loss(decoder: LanguageModel, projector, batch: list, hidden: torch.Tensor,
+                                 first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
+                                 choices: tuple[int, int], margin: float, rng) -> torch.Tensor:
+    """Mean hinge max(0, margin - (log p(right | own image) - log p(right | counterpart))) over the
+    batch's items that have counterparts (attach_counterparts), one counterpart drawn per item with
+    `rng`: the counterpart's right answer is the other one, so the own image must lead."""
+    rows = [row for row, item in enumerate(batch) if item.counterparts]
+    if not rows:
+        return hidden.new_zeros(())
+    wanted = torch.tensor([batch[row].contrast_answer for row in rows])
+    own = two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
+    swapped = [dataclasses.replace(batch[row], features=rng.choice(batch[row].counterparts), views=())
+               for row in rows]
+    from .loss import forward_hidden  # the loss module imports this one
+
+    other_hidden, _ = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
+    other = two_way_right(decoder, other_hidden[torch.arange(len(rows)), first[rows]], choices, wanted)
+    return torch.relu(margin - (own - other)).mean()
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -23,7 +23,7 @@ from medvqa.prompt import PromptBuilder
 from medvqa.vision import pool_tokens
 
 from .data import TrainExample
-from .experimental import image_contrast_loss, two_way_right
+from .experimental import counterfactual_contrast_loss, image_contrast_loss, two_way_right
 
 
 def prefix_cache_tensors(decoder: LanguageModel, builder: PromptBuilder, prefix: int,
@@ -80,7 +80,7 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
                n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
                rng: random.Random | None = None, closed_weight: float = 0.0,
                choices: tuple[int, int] | None = None, contrast_weight: float = 0.0,
-               contrast_margin: float = 0.5) -> torch.Tensor:
+               contrast_margin: float = 0.5, counterfactual: bool = False) -> torch.Tensor:
     """Cross-entropy on the answer tokens; with `closed_weight`, plus that weight times a two-way
     cross-entropy between the "Yes" and "No" tokens (`choices`) at the first answer position of
     every yes/no question in the batch: the decision constrained decoding makes at inference, which
@@ -89,7 +89,8 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     With `contrast_weight`, plus that weight times an image-reliance hinge: each yes/no question is
     asked again with the image of the next example in the batch (a different image), and its right
     answer's two-way log-probability with its own image must beat the one with the other image by
-    `contrast_margin`; see image_contrast_loss."""
+    `contrast_margin`; see image_contrast_loss. With `counterfactual`, the other image is one of the
+    item's counterparts instead (counterfactual_contrast_loss), drawn with `rng`."""
     hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens,
                                     blank_features, drop_image, rng)
     targets = labels[:, 1:]  # token t+1 is predicted from position t
@@ -98,10 +99,15 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     # every position would cost a fifth of the step for nothing.
     logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
     loss = torch.nn.functional.cross_entropy(logits, targets[predicting])
+    first = predicting.float().argmax(1)  # position predicting each row's first answer token
+    if counterfactual and contrast_weight and choices is not None:
+        loss = loss + contrast_weight * counterfactual_contrast_loss(decoder, projector, batch, hidden, first,
+                                                                     prefix_kv, prefix, n_tokens, choices,
+                                                                     contrast_margin, rng or random.Random(0))
+        contrast_weight = 0.0
     rows = [row for row, item in enumerate(batch) if item.yes_no >= 0]
     if not rows or choices is None or not (closed_weight or contrast_weight):
         return loss
-    first = predicting.float().argmax(1)  # position predicting each row's first answer token
     wanted = torch.tensor([batch[row].yes_no for row in rows])
     own = two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
     if closed_weight:

@@ -30,7 +30,7 @@ from medvqa.prompt import IMAGE_POSITIONS, PromptBuilder
 from medvqa.vision import build_vision, encoder_sha256, pool_tokens
 from medvqa_train.data import (FeatureCache, augmented, encoder_key, held_out_split, make_example,
                                shared_prefix_length, training_answer)
-from medvqa_train.experimental import add_lora, merge_lora
+from medvqa_train.experimental import add_lora, attach_counterparts, merge_lora
 from medvqa_train.resume import check_resume, run_options
 from medvqa_train.loss import (Standardized, batch_loss, channel_statistics, lr_at, prefix_cache_tensors,
                                yes_no_accuracy)
@@ -82,6 +82,10 @@ def main() -> None:
     parser.add_argument("--contrast-weight", type=float, default=0.0,
                         help="experimental (not shipped): weight of an image-reliance loss: each yes/no question is also asked with another "
                              "image of the batch, and its right answer must be likelier with its own image")
+    parser.add_argument("--contrast-partner", choices=("batch", "counterfactual"), default="batch",
+                        help="experimental: the other image of --contrast-weight: the next one in the batch, or one of "
+                             "the 3 most similar training images asked the same yes/no question with the opposite "
+                             "answer (every --data spec's yes/no questions, whatever --closed-data says)")
     parser.add_argument("--contrast-margin", type=float, default=0.5,
                         help="how far (two-way log-probability) the own image must lead before that loss stops")
     parser.add_argument("--repeat", type=int, nargs="+", default=None, metavar="N",
@@ -178,6 +182,7 @@ def main() -> None:
 
     held_out, held_out_shuffled = [], []
     left_out_images: set = set()
+    leaving: set = set()  # indices of the questions training leaves out
     choices = tuple(builder.tokenizer(training_answer(word), add_special_tokens=False)["input_ids"][0]
                     for word in ("yes", "no"))
     if args.val or args.holdout_percent:
@@ -194,6 +199,12 @@ def main() -> None:
         left_out_images = {examples[i].image for i in left_out}
         train = [item for i, item in enumerate(train) if i not in leaving]
         spec_of = [spec for i, spec in enumerate(spec_of) if i not in leaving]
+    if args.contrast_weight and args.contrast_partner == "counterfactual":
+        kept = [i for i in range(len(examples)) if i not in leaving]
+        train = attach_counterparts(train, [examples[i].question for i in kept], [item.yes_no for item in train])
+        paired = [item for item in train if item.counterparts]
+        print(f"{len(paired)} training yes/no questions have a counterpart image "
+              f"(same question, the other answer)")
     if args.closed_data:  # the other specs' yes/no questions train on the token loss alone
         closed_specs = {k - 1 for k in args.closed_data}
         train = [item if spec in closed_specs else dataclasses.replace(item, yes_no=-1)
@@ -292,7 +303,8 @@ def main() -> None:
             prefix_kv = prefix_cache_tensors(decoder, builder, prefix, grad=True)
         loss = batch_loss(decoder, projector, [train[i] for i in indices], prefix_kv, prefix, n_tokens,
                           blank, args.drop_image, drop_rng, args.closed_weight, choices,
-                          args.contrast_weight, args.contrast_margin)
+                          args.contrast_weight, args.contrast_margin,
+                          counterfactual=args.contrast_partner == "counterfactual")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -332,6 +344,7 @@ def main() -> None:
         "drop_image": args.drop_image, "augment": args.augment, "repeat": repeat, "limit": limit, "seed": args.seed, "init": args.init,
         "init_sha256": projector_init_sha256,
         "closed_weight": args.closed_weight, "closed_data": args.closed_data, "contrast_weight": args.contrast_weight,
+        "contrast_partner": args.contrast_partner if args.contrast_weight else None,
         "contrast_margin": args.contrast_margin, "lora": args.lora,
         "lora_alpha": args.lora_alpha if args.lora else None, "lora_lr": args.lora_lr if args.lora else None,
         "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from medvqa.projector import Projector, read_metadata
 from medvqa.prompt import PromptBuilder
 from medvqa.config import resolve_path
 from medvqa_train.data import augmented, make_example, shared_prefix_length, training_answer
-from medvqa_train.experimental import LoRALinear, add_lora, merge_lora
+from medvqa_train.experimental import LoRALinear, add_lora, attach_counterparts, merge_lora
 from medvqa_train.loss import Standardized, batch_loss, channel_statistics, prefix_cache_tensors
 
 from .conftest import REPO
@@ -146,6 +147,45 @@ def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline
     assert loss(made[2:], 1.0) == loss(made[2:], 0.0)  # no yes/no question: nothing added
     added = loss(made, 2.0) - loss(made, 0.0)
     assert added > 0 and abs(added - 2 * (loss(made, 1.0) - loss(made, 0.0))) < 1e-4
+
+
+def test_counterparts_are_other_images_asked_the_same_question_with_the_other_answer(tiny_pipeline, tmp_path):
+    torch.manual_seed(0)
+    width = tiny_pipeline.model.vision.hidden_size
+    base = torch.randn(16, width)
+    near, far, same = base + 0.1 * torch.randn(16, width), torch.randn(16, width), base.clone()
+    decoder, projector, made, prefix_kv, prefix, choices = _loss_setup(
+        tiny_pipeline, tmp_path, [("Is there a mass?", "yes", "CLOSED", base),
+                                  ("is there a mass", "No", "CLOSED", far),
+                                  ("Is there a mass?", "no", "CLOSED", near),
+                                  ("Is there a mass?", "no", "CLOSED", same),  # the same scan: never a partner
+                                  ("Is there a mass?", "yes", "CLOSED", far),
+                                  ("Is it normal?", "no", "CLOSED", far),
+                                  ("What organ?", "Liver", "OPEN", near)])
+    questions = ["Is there a mass?", "is there a mass", "Is there a mass?", "Is there a mass?",
+                 "Is there a mass?", "Is it normal?", "What organ?"]
+    paired = attach_counterparts(made, questions, [item.yes_no for item in made], keep=3)
+    # The yes on `base` is paired with the two other "no" scans, the most similar first.
+    assert paired[0].contrast_answer == 0 and len(paired[0].counterparts) == 2
+    assert paired[0].counterparts[0] is made[2].features and paired[0].counterparts[1] is made[1].features
+    assert len(paired[1].counterparts) == 1  # `far` answered no there; its other-answer scan is `base` only
+    assert paired[1].counterparts[0] is made[0].features
+    assert not paired[5].counterparts and not paired[6].counterparts  # no other answer; not yes/no
+    assert len(attach_counterparts(made, questions, [item.yes_no for item in made], keep=1)[0].counterparts) == 1
+
+    def loss(items, weight, margin=0.5):
+        return batch_loss(decoder, projector, items, prefix_kv, prefix, 4, choices=choices, contrast_weight=weight,
+                          contrast_margin=margin, counterfactual=True, rng=random.Random(0))
+
+    with torch.no_grad():
+        plain = float(loss(paired, 0.0))
+        added = float(loss(paired, 1.0)) - plain
+        assert 0.3 < added < 0.7  # an untrained projector: own and other image about level, the margin is added
+        assert float(loss(paired, 1.0, margin=-5.0)) == pytest.approx(plain)
+        assert float(loss(paired[5:], 1.0)) == pytest.approx(float(loss(paired[5:], 0.0)))  # nobody has a partner
+    projector.zero_grad()
+    (loss(paired, 1.0) - loss(paired, 0.0)).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
 
 
 def test_image_contrast_loss_compares_each_yes_no_answer_with_another_image(tiny_pipeline, tmp_path):
