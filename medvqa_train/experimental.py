@@ -4,8 +4,8 @@ through scripts/train_projector.py's experimental flags, off by default.
 - A two-way Yes/No loss at the first answer position (--closed-weight).
 - An image-reliance hinge: each yes/no question asked again with another image of the batch
   (--contrast-weight); the shuffled-image test as a training signal. With --contrast-partner
-  counterfactual, the other image is one of the most similar training images asked the same
-  question with the opposite answer.
+  counterfactual, every question (open ones too) is asked again with one of the most similar
+  training images asked the same question with another answer.
 - LoRA adapters on the decoder (--lora). The design keeps the decoder frozen; a LoRA run writes a
   whole merged decoder for the transformers engine, never used by a profile.
 """
@@ -62,18 +62,19 @@ def image_contrast_loss(decoder: LanguageModel, projector, batch: list, rows: li
     return torch.relu(margin - (own[kept] - other)).mean()
 
 
-def attach_counterparts(items: list, questions: list[str], answers: list[int], keep: int = 3) -> list:
-    """Give each yes/no training item (answers[i] 0 yes, 1 no, -1 otherwise) the features of up to
-    `keep` other training images asked the same question (normalised words) with the opposite
-    answer, the most similar first (cosine of the mean feature): the pairs where only reading the
-    image tells the answers apart, hardest first, as the evaluation's neighbouring slice is.
-    Items without such a partner are returned unchanged."""
+def attach_counterparts(items: list, questions: list[str], answers: list[str], keep: int = 3) -> list:
+    """Give each training item the features of up to `keep` other training images asked the same
+    question (normalised words) with another answer, the most similar first (cosine of the mean
+    feature): the pairs where only reading the image tells the answers apart, hardest first, as the
+    evaluation's neighbouring slice is. Items without such a partner are returned unchanged.
+    `contrast_answer` is the item's Yes/No index for yes/no questions (scored two-way), else -1
+    (scored by the answer's mean token log-probability)."""
     from medvqa.answers import normalise
 
     groups: dict[str, list[int]] = {}
-    for index, (question, answer) in enumerate(zip(questions, answers)):
-        if answer >= 0:
-            groups.setdefault(normalise(question), []).append(index)
+    for index, question in enumerate(questions):
+        groups.setdefault(normalise(question), []).append(index)
+    said = [normalise(answer) for answer in answers]
     summary: dict[int, torch.Tensor] = {}
 
     def mean_feature(index: int) -> torch.Tensor:
@@ -89,7 +90,7 @@ def attach_counterparts(items: list, questions: list[str], answers: list[int], k
             others, seen = [], set()
             for other in members:
                 candidate = items[other].features
-                if (answers[other] == answers[index] or id(candidate) in seen or candidate is own
+                if (said[other] == said[index] or id(candidate) in seen or candidate is own
                         or torch.equal(candidate, own)):
                     continue
                 seen.add(id(candidate))
@@ -98,28 +99,46 @@ def attach_counterparts(items: list, questions: list[str], answers: list[int], k
                 continue
             target = mean_feature(index)
             others.sort(key=lambda other: -float(mean_feature(other) @ target))
-            out[index] = dataclasses.replace(items[index], contrast_answer=answers[index],
+            yes_no = ("yes", "no").index(said[index]) if said[index] in ("yes", "no") else -1
+            out[index] = dataclasses.replace(items[index], contrast_answer=yes_no,
                                              counterparts=tuple(items[o].features for o in others[:keep]))
     return out
 
 
+def _right_answer_score(decoder: LanguageModel, hidden: torch.Tensor, labels: torch.Tensor, first: torch.Tensor,
+                        batch_rows: list, choices: tuple[int, int]) -> torch.Tensor:
+    """Per row: the two-way log-probability of the right one of Yes/No for yes/no questions, else the
+    mean log-probability of the answer's tokens."""
+    scores = []
+    for k, item in enumerate(batch_rows):
+        if item.contrast_answer >= 0:
+            wanted = torch.tensor([item.contrast_answer])
+            scores.append(two_way_right(decoder, hidden[k, first[k]].unsqueeze(0), choices, wanted)[0])
+        else:
+            targets = labels[k, 1:]
+            predicting = targets != -100
+            logits = decoder.model.lm_head(hidden[k, :-1][predicting]).float()
+            scores.append(torch.log_softmax(logits, -1).gather(1, targets[predicting].unsqueeze(1)).mean())
+    return torch.stack(scores)
+
+
 def counterfactual_contrast_loss(decoder: LanguageModel, projector, batch: list, hidden: torch.Tensor,
-                                 first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
+                                 labels: torch.Tensor, first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
                                  choices: tuple[int, int], margin: float, rng) -> torch.Tensor:
-    """Mean hinge max(0, margin - (log p(right | own image) - log p(right | counterpart))) over the
+    """Mean hinge max(0, margin - (score(right | own image) - score(right | counterpart))) over the
     batch's items that have counterparts (attach_counterparts), one counterpart drawn per item with
-    `rng`: the counterpart's right answer is the other one, so the own image must lead."""
+    `rng`; the score is _right_answer_score's. The counterpart's right answer is another one, so the
+    own image must lead."""
     rows = [row for row, item in enumerate(batch) if item.counterparts]
     if not rows:
         return hidden.new_zeros(())
-    wanted = torch.tensor([batch[row].contrast_answer for row in rows])
-    own = two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
-    swapped = [dataclasses.replace(batch[row], features=rng.choice(batch[row].counterparts), views=())
-               for row in rows]
+    items = [batch[row] for row in rows]
+    own = _right_answer_score(decoder, hidden[rows], labels[rows], first[rows], items, choices)
+    swapped = [dataclasses.replace(item, features=rng.choice(item.counterparts), views=()) for item in items]
     from .loss import forward_hidden  # the loss module imports this one
 
-    other_hidden, _ = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
-    other = two_way_right(decoder, other_hidden[torch.arange(len(rows)), first[rows]], choices, wanted)
+    other_hidden, other_labels = forward_hidden(decoder, projector, swapped, prefix_kv, prefix, n_tokens)
+    other = _right_answer_score(decoder, other_hidden, other_labels, first[rows], items, choices)
     return torch.relu(margin - (own - other)).mean()
 
 

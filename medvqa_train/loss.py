@@ -101,7 +101,7 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     loss = torch.nn.functional.cross_entropy(logits, targets[predicting])
     first = predicting.float().argmax(1)  # position predicting each row's first answer token
     if counterfactual and contrast_weight and choices is not None:
-        loss = loss + contrast_weight * counterfactual_contrast_loss(decoder, projector, batch, hidden, first,
+        loss = loss + contrast_weight * counterfactual_contrast_loss(decoder, projector, batch, hidden, labels, first,
                                                                      prefix_kv, prefix, n_tokens, choices,
                                                                      contrast_margin, rng or random.Random(0))
         contrast_weight = 0.0

@@ -84,8 +84,9 @@ def main() -> None:
                              "image of the batch, and its right answer must be likelier with its own image")
     parser.add_argument("--contrast-partner", choices=("batch", "counterfactual"), default="batch",
                         help="experimental: the other image of --contrast-weight: the next one in the batch, or one of "
-                             "the 3 most similar training images asked the same yes/no question with the opposite "
-                             "answer (every --data spec's yes/no questions, whatever --closed-data says)")
+                             "the 3 most similar training images asked the same question with another answer (open "
+                             "questions too, by the answer's mean token log-probability; every --data spec, "
+                             "whatever --closed-data says)")
     parser.add_argument("--contrast-margin", type=float, default=0.5,
                         help="how far (two-way log-probability) the own image must lead before that loss stops")
     parser.add_argument("--repeat", type=int, nargs="+", default=None, metavar="N",
@@ -201,10 +202,10 @@ def main() -> None:
         spec_of = [spec for i, spec in enumerate(spec_of) if i not in leaving]
     if args.contrast_weight and args.contrast_partner == "counterfactual":
         kept = [i for i in range(len(examples)) if i not in leaving]
-        train = attach_counterparts(train, [examples[i].question for i in kept], [item.yes_no for item in train])
+        train = attach_counterparts(train, [examples[i].question for i in kept], [examples[i].answer for i in kept])
         paired = [item for item in train if item.counterparts]
-        print(f"{len(paired)} training yes/no questions have a counterpart image "
-              f"(same question, the other answer)")
+        print(f"{len(paired)} training questions ({sum(item.contrast_answer >= 0 for item in paired)} yes/no) have "
+              f"a counterpart image (same question, another answer)")
     if args.closed_data:  # the other specs' yes/no questions train on the token loss alone
         closed_specs = {k - 1 for k in args.closed_data}
         train = [item if spec in closed_specs else dataclasses.replace(item, yes_no=-1)

@@ -149,7 +149,7 @@ def test_closed_weight_adds_a_yes_no_loss_on_yes_no_questions_only(tiny_pipeline
     assert added > 0 and abs(added - 2 * (loss(made, 1.0) - loss(made, 0.0))) < 1e-4
 
 
-def test_counterparts_are_other_images_asked_the_same_question_with_the_other_answer(tiny_pipeline, tmp_path):
+def test_counterparts_are_other_images_asked_the_same_question_with_another_answer(tiny_pipeline, tmp_path):
     torch.manual_seed(0)
     width = tiny_pipeline.model.vision.hidden_size
     base = torch.randn(16, width)
@@ -161,17 +161,24 @@ def test_counterparts_are_other_images_asked_the_same_question_with_the_other_an
                                   ("Is there a mass?", "no", "CLOSED", same),  # the same scan: never a partner
                                   ("Is there a mass?", "yes", "CLOSED", far),
                                   ("Is it normal?", "no", "CLOSED", far),
-                                  ("What organ?", "Liver", "OPEN", near)])
-    questions = ["Is there a mass?", "is there a mass", "Is there a mass?", "Is there a mass?",
-                 "Is there a mass?", "Is it normal?", "What organ?"]
-    paired = attach_counterparts(made, questions, [item.yes_no for item in made], keep=3)
+                                  ("What organ?", "Liver", "OPEN", near),
+                                  ("What organ?", "liver", "OPEN", far),  # the same answer: no partner
+                                  ("What organ?", "Lung", "OPEN", base)])
+    rows = [("Is there a mass?", "yes"), ("is there a mass", "No"), ("Is there a mass?", "no"),
+            ("Is there a mass?", "no"), ("Is there a mass?", "yes"), ("Is it normal?", "no"),
+            ("What organ?", "Liver"), ("What organ?", "liver"), ("What organ?", "Lung")]
+    questions, answers = [q for q, _ in rows], [a for _, a in rows]
+    paired = attach_counterparts(made, questions, answers, keep=3)
     # The yes on `base` is paired with the two other "no" scans, the most similar first.
     assert paired[0].contrast_answer == 0 and len(paired[0].counterparts) == 2
     assert paired[0].counterparts[0] is made[2].features and paired[0].counterparts[1] is made[1].features
     assert len(paired[1].counterparts) == 1  # `far` answered no there; its other-answer scan is `base` only
     assert paired[1].counterparts[0] is made[0].features
-    assert not paired[5].counterparts and not paired[6].counterparts  # no other answer; not yes/no
-    assert len(attach_counterparts(made, questions, [item.yes_no for item in made], keep=1)[0].counterparts) == 1
+    assert not paired[5].counterparts  # asked once
+    # Open questions pair by answer too, scored by the answer's tokens (contrast_answer -1).
+    assert paired[6].counterparts == (made[8].features,) and paired[6].contrast_answer == -1
+    assert paired[8].counterparts[0] is made[6].features and len(paired[8].counterparts) == 2
+    assert len(attach_counterparts(made, questions, answers, keep=1)[0].counterparts) == 1
 
     def loss(items, weight, margin=0.5):
         return batch_loss(decoder, projector, items, prefix_kv, prefix, 4, choices=choices, contrast_weight=weight,
@@ -182,7 +189,9 @@ def test_counterparts_are_other_images_asked_the_same_question_with_the_other_an
         added = float(loss(paired, 1.0)) - plain
         assert 0.3 < added < 0.7  # an untrained projector: own and other image about level, the margin is added
         assert float(loss(paired, 1.0, margin=-5.0)) == pytest.approx(plain)
-        assert float(loss(paired[5:], 1.0)) == pytest.approx(float(loss(paired[5:], 0.0)))  # nobody has a partner
+        assert float(loss(paired[5:6], 1.0)) == pytest.approx(float(loss(paired[5:6], 0.0)))  # no partner
+        open_added = float(loss(paired[6:], 1.0)) - float(loss(paired[6:], 0.0))
+        assert 0.3 < open_added < 0.7
     projector.zero_grad()
     (loss(paired, 1.0) - loss(paired, 0.0)).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
