@@ -63,8 +63,8 @@ class TrainExample:
     labels: list[int]  # -100 except the answer tokens
     yes_no: int = -1  # 0 for a "yes" reference, 1 for "no", -1 otherwise (see batch_loss's closed_weight)
     views: tuple[torch.Tensor, ...] = ()  # features of augmented copies of the image (--augment)
-    # --contrast-partner counterfactual: features of other training images asked the same yes/no
-    # question with the opposite answer, and this question's own answer (0 yes, 1 no)
+    # --contrast-partner counterfactual: features of other training images asked the same question
+    # with another answer, and this question's Yes/No index (0 yes, 1 no; -1 for other answers)
     counterparts: tuple[torch.Tensor, ...] = ()
     contrast_answer: int = -1
 

@@ -124,12 +124,12 @@ def _right_answer_score(decoder: LanguageModel, hidden: torch.Tensor, labels: to
 
 def counterfactual_contrast_loss(decoder: LanguageModel, projector, batch: list, hidden: torch.Tensor,
                                  labels: torch.Tensor, first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
-                                 choices: tuple[int, int], margin: float, rng) -> torch.Tensor:
+                                 choices: tuple[int, int], margin: float, rng, skip: set[int] = frozenset()) -> torch.Tensor:
     """Mean hinge max(0, margin - (score(right | own image) - score(right | counterpart))) over the
     batch's items that have counterparts (attach_counterparts), one counterpart drawn per item with
     `rng`; the score is _right_answer_score's. The counterpart's right answer is another one, so the
-    own image must lead."""
-    rows = [row for row, item in enumerate(batch) if item.counterparts]
+    own image must lead. Rows in `skip` (shown the blank image in `hidden`) are left out."""
+    rows = [row for row, item in enumerate(batch) if item.counterparts and row not in skip]
     if not rows:
         return hidden.new_zeros(())
     items = [batch[row] for row in rows]

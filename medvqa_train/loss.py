@@ -38,8 +38,9 @@ def prefix_cache_tensors(decoder: LanguageModel, builder: PromptBuilder, prefix:
 
 def forward_hidden(decoder: LanguageModel, projector, batch: list[TrainExample], prefix_kv, prefix: int,
                    n_tokens: int, blank_features: torch.Tensor | None = None, drop_image: float = 0.0,
-                   rng: random.Random | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """LanguageModel hidden states (B, T, d_l) over image tokens, question and answer, and the labels (B, T)."""
+                   rng: random.Random | None = None, blanked: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LanguageModel hidden states (B, T, d_l) over image tokens, question and answer, and the labels (B, T).
+    The rows shown the blank image (`drop_image`) are appended to `blanked` when it is given."""
     from transformers import DynamicCache
 
     size = len(batch)
@@ -60,6 +61,8 @@ def forward_hidden(decoder: LanguageModel, projector, batch: list[TrainExample],
         use_blank = blank_features is not None and rng is not None and rng.random() < drop_image
         if use_blank:
             features.append(blank_features)
+            if blanked is not None:
+                blanked.append(row)
         elif item.views and rng is not None:
             features.append(rng.choice((item.features,) + item.views))
         else:
@@ -91,8 +94,9 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     answer's two-way log-probability with its own image must beat the one with the other image by
     `contrast_margin`; see image_contrast_loss. With `counterfactual`, the other image is one of the
     item's counterparts instead (counterfactual_contrast_loss), drawn with `rng`."""
+    blanked: list[int] = []
     hidden, labels = forward_hidden(decoder, projector, batch, prefix_kv, prefix, n_tokens,
-                                    blank_features, drop_image, rng)
+                                    blank_features, drop_image, rng, blanked)
     targets = labels[:, 1:]  # token t+1 is predicted from position t
     predicting = targets != -100
     # The vocabulary head only where a label is predicted: the head (49k x 576 for SmolLM2) over
@@ -103,7 +107,8 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     if counterfactual and contrast_weight and choices is not None:
         loss = loss + contrast_weight * counterfactual_contrast_loss(decoder, projector, batch, hidden, labels, first,
                                                                      prefix_kv, prefix, n_tokens, choices,
-                                                                     contrast_margin, rng or random.Random(0))
+                                                                     contrast_margin, rng or random.Random(0),
+                                                                     skip=set(blanked))
         contrast_weight = 0.0
     rows = [row for row, item in enumerate(batch) if item.yes_no >= 0]
     if not rows or choices is None or not (closed_weight or contrast_weight):

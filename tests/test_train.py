@@ -3,6 +3,7 @@ script runs end to end (tiny random models) to a projector the pipeline loads.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -20,8 +21,8 @@ from medvqa.projector import Projector, read_metadata
 from medvqa.prompt import PromptBuilder
 from medvqa.config import resolve_path
 from medvqa_train.data import augmented, make_example, shared_prefix_length, training_answer
-from medvqa_train.experimental import LoRALinear, add_lora, attach_counterparts, merge_lora
-from medvqa_train.loss import Standardized, batch_loss, channel_statistics, prefix_cache_tensors
+from medvqa_train.experimental import LoRALinear, _right_answer_score, add_lora, attach_counterparts, merge_lora
+from medvqa_train.loss import Standardized, batch_loss, channel_statistics, forward_hidden, prefix_cache_tensors
 
 from .conftest import REPO
 
@@ -192,6 +193,24 @@ def test_counterparts_are_other_images_asked_the_same_question_with_another_answ
         assert float(loss(paired[5:6], 1.0)) == pytest.approx(float(loss(paired[5:6], 0.0)))  # no partner
         open_added = float(loss(paired[6:], 1.0)) - float(loss(paired[6:], 0.0))
         assert 0.3 < open_added < 0.7
+        # The open score is the answer's mean token log-probability: minus the row's token loss.
+        hidden, labels = forward_hidden(decoder, projector, paired[6:7], prefix_kv, prefix, 4)
+        first = (labels[:, 1:] != -100).float().argmax(1)
+        own = _right_answer_score(decoder, hidden, labels, first, paired[6:7], choices)
+        assert float(own[0]) == pytest.approx(-float(loss(paired[6:7], 0.0)), abs=1e-5)
+        # The hinge is margin - (own - other), with the other image's score from the same positions.
+        swapped, other_labels = forward_hidden(decoder, projector, [dataclasses.replace(paired[6], features=made[8].features)],
+                                               prefix_kv, prefix, 4)
+        other = _right_answer_score(decoder, swapped, other_labels, first, paired[6:7], choices)
+        assert float(loss(paired[6:7], 1.0, margin=9.0)) == pytest.approx(
+            float(loss(paired[6:7], 0.0)) + 9.0 - float(own[0] - other[0]), abs=1e-5)
+        # A row shown the blank image (--drop-image) is left out of the hinge.
+        blank = torch.zeros_like(made[0].features)
+        dropped = batch_loss(decoder, projector, paired[6:7], prefix_kv, prefix, 4, blank, 1.0, random.Random(0),
+                             choices=choices, contrast_weight=1.0, counterfactual=True)
+        kept_blank = batch_loss(decoder, projector, paired[6:7], prefix_kv, prefix, 4, blank, 1.0, random.Random(0),
+                                choices=choices)
+        assert float(dropped) == pytest.approx(float(kept_blank))
     projector.zero_grad()
     (loss(paired, 1.0) - loss(paired, 0.0)).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
