@@ -31,9 +31,9 @@ def two_way_right(decoder: LanguageModel, hidden_rows: torch.Tensor, choices: tu
 
 def image_contrast_loss(decoder: LanguageModel, projector, batch: list, rows: list[int],
                         own: torch.Tensor, first: torch.Tensor, prefix_kv, prefix: int, n_tokens: int,
-                        choices: tuple[int, int], margin: float) -> torch.Tensor:
+                        choices: tuple[int, int], margin: float, skip: set[int] = frozenset()) -> torch.Tensor:
     """Mean hinge max(0, margin - (log p(right | own image) - log p(right | other image))) over the
-    batch's yes/no questions, in two-way (Yes/No) log-probabilities at the first answer position.
+    batch's yes/no questions (but the rows in `skip`, shown the blank image), in two-way (Yes/No) log-probabilities at the first answer position.
 
     The other image is the next example's in the batch (cyclically), skipped where that is the same
     image: the shuffled-image test of the evaluation, turned into a training signal. The other image
@@ -43,6 +43,8 @@ def image_contrast_loss(decoder: LanguageModel, projector, batch: list, rows: li
     pairs = []  # (index into rows, partner example)
     for k, row in enumerate(rows):
         item = batch[row]
+        if row in skip:
+            continue
         for step in range(1, len(batch)):
             partner = batch[(row + step) % len(batch)]
             if partner.features is not item.features and not torch.equal(partner.features, item.features):

@@ -104,23 +104,25 @@ def batch_loss(decoder: LanguageModel, projector, batch: list[TrainExample], pre
     logits = decoder.model.lm_head(hidden[:, :-1][predicting]).float()  # (n_labels, V)
     loss = torch.nn.functional.cross_entropy(logits, targets[predicting])
     first = predicting.float().argmax(1)  # position predicting each row's first answer token
-    if counterfactual and contrast_weight and choices is not None:
+    if choices is None:
+        return loss
+    skip = set(blanked)  # a blank image's answer is no evidence of reading the image: out of both hinges
+    if contrast_weight and counterfactual:
         loss = loss + contrast_weight * counterfactual_contrast_loss(decoder, projector, batch, hidden, labels, first,
                                                                      prefix_kv, prefix, n_tokens, choices,
-                                                                     contrast_margin, rng or random.Random(0),
-                                                                     skip=set(blanked))
-        contrast_weight = 0.0
+                                                                     contrast_margin, rng or random.Random(0), skip)
+    batch_contrast = 0.0 if counterfactual else contrast_weight
     rows = [row for row, item in enumerate(batch) if item.yes_no >= 0]
-    if not rows or choices is None or not (closed_weight or contrast_weight):
+    if not rows or not (closed_weight or batch_contrast):
         return loss
     wanted = torch.tensor([batch[row].yes_no for row in rows])
     own = two_way_right(decoder, hidden[rows, first[rows]], choices, wanted)
     if closed_weight:
         loss = loss + closed_weight * -own.mean()  # the two-way cross-entropy
-    if contrast_weight:
-        loss = loss + contrast_weight * image_contrast_loss(decoder, projector, batch, rows, own, first,
-                                                            prefix_kv, prefix, n_tokens, choices,
-                                                            contrast_margin)
+    if batch_contrast:
+        loss = loss + batch_contrast * image_contrast_loss(decoder, projector, batch, rows, own, first,
+                                                           prefix_kv, prefix, n_tokens, choices,
+                                                           contrast_margin, skip)
     return loss
 
 

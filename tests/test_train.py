@@ -238,6 +238,11 @@ def test_image_contrast_loss_compares_each_yes_no_answer_with_another_image(tiny
         one_image = [made[0], made[2]]  # the only other example shares the image: nothing to contrast
         assert float(loss(one_image, 1.0)) == pytest.approx(float(loss(one_image, 0.0)))
         assert float(loss(made[2:], 1.0)) == pytest.approx(float(loss(made[2:], 0.0)))  # no yes/no question
+        # Rows shown the blank image (--drop-image) are left out of the hinge.
+        blank = torch.zeros_like(bright)
+        blanked = [batch_loss(decoder, projector, made, prefix_kv, prefix, 4, blank, 1.0, random.Random(0),
+                              choices=choices, contrast_weight=weight) for weight in (1.0, 0.0)]
+        assert float(blanked[0]) == pytest.approx(float(blanked[1]))
     projector.zero_grad()
     (loss(made, 1.0) - loss(made, 0.0)).backward()  # the added term alone reaches the projector
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in projector.parameters())
