@@ -5,6 +5,10 @@ position...) and the command that started it. `--resume` with other options woul
 different run from the first one's weights and optimiser state, so it is refused, naming each option that
 differs and the interrupted run's command. Options that only say how long to run, where to write or how
 many threads to use may change between the two; each script names those.
+
+An option added after a checkpoint was written is absent from its record. Given the parser's defaults,
+such an option left at its default is taken to be the older run's behaviour (new options are off by
+default) and the run resumes, saying so; set to anything else it is refused like any other difference.
 """
 
 from __future__ import annotations
@@ -27,15 +31,23 @@ def run_options(args: argparse.Namespace, free: Iterable[str], **resolved) -> di
     return options
 
 
-def check_resume(saved: dict | None, options: dict, checkpoint: Path, command: str | None = None) -> None:
+def check_resume(saved: dict | None, options: dict, checkpoint: Path, command: str | None = None,
+                 defaults: dict | None = None) -> None:
     """Return when `options` are those `saved` in `checkpoint`; else exit with what differs. A checkpoint
-    written before options were recorded (`saved` None) is resumed as told, with a warning."""
+    written before options were recorded (`saved` None) is resumed as told, with a warning. An option the
+    checkpoint does not record, at its value in `defaults` (the parser's), is not a difference."""
     if saved is None:
         print(f"warning: {checkpoint} does not record its run's options (written by an older version): "
               f"resuming with this command's, unchecked", file=sys.stderr)
         return
+    defaults = defaults or {}
+    newer = sorted(name for name in set(options) - set(saved)
+                   if name in defaults and options[name] == defaults[name])
+    if newer:
+        print(f"note: {checkpoint} was written before " + ", ".join(_flag(name) for name in newer)
+              + " existed; resuming with " + ("its" if len(newer) == 1 else "their") + " default", file=sys.stderr)
     differ = [name for name in sorted(set(saved) | set(options))
-              if saved.get(name, _ABSENT) != options.get(name, _ABSENT)]
+              if name not in newer and saved.get(name, _ABSENT) != options.get(name, _ABSENT)]
     if not differ:
         return
     lines = "\n".join(f"  {_flag(name)}: the interrupted run had {_shown(saved.get(name, _ABSENT))}, "

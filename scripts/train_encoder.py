@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     command = "python " + " ".join(["scripts/train_encoder.py", *(argv if argv is not None else sys.argv[1:])])
     if args.resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        check_resume(state.get("options"), options, checkpoint, state.get("command"))
+        check_resume(state.get("options"), options, checkpoint, state.get("command"), defaults=vars(parse_args([])))
         tail.load_state_dict(state["tail"])
         heads.load_state_dict(state["heads"])
         optimizer.load_state_dict(state["optimizer"])

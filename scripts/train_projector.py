@@ -262,7 +262,8 @@ def main() -> None:
     command = "python " + " ".join(sys.argv)
     if args.resume and checkpoint_path.is_file():
         state = torch.load(checkpoint_path, weights_only=False)
-        check_resume(state.get("options"), options, checkpoint_path, state.get("command"))
+        check_resume(state.get("options"), options, checkpoint_path, state.get("command"),
+                     defaults=vars(parser.parse_args([])))
         projector.load_state_dict(state["projector"])
         if adapters:
             saved = state.get("lora") or {}

@@ -22,6 +22,7 @@ from medvqa.prompt import PromptBuilder
 from medvqa.config import resolve_path
 from medvqa_train.data import augmented, make_example, shared_prefix_length, training_answer
 from medvqa_train.experimental import LoRALinear, _right_answer_score, add_lora, attach_counterparts, merge_lora
+from medvqa_train.resume import check_resume
 from medvqa_train.loss import Standardized, batch_loss, channel_statistics, forward_hidden, prefix_cache_tensors
 
 from .conftest import REPO
@@ -353,3 +354,22 @@ def test_training_script_runs_end_to_end_on_tiny_models(tiny_pipeline, tiny_sett
          "--out", str(tuned), "--resume"],
         capture_output=True, text=True, env=env, timeout=600)
     assert completed.returncode != 0 and "--lora: the interrupted run had 0, this command has 2" in completed.stderr
+
+
+def test_resume_accepts_an_option_added_after_the_checkpoint_only_at_its_default(tmp_path, capsys):
+    """A checkpoint written before an option existed does not record it: left at the parser's default
+    (the older run's behaviour) the run resumes, saying so; set otherwise, or without the defaults, it is
+    refused like any other difference."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    saved = {"seed": 0, "lr": 3e-4}
+    defaults = {"seed": 0, "lr": 1e-3, "contrast_partner": "batch"}
+    check_resume(saved, {**saved, "contrast_partner": "batch"}, checkpoint, defaults=defaults)
+    assert "written before --contrast-partner existed; resuming with its default" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--contrast-partner: the interrupted run had \\(not recorded\\), "
+                                         "this command has 'counterfactual'"):
+        check_resume(saved, {**saved, "contrast_partner": "counterfactual"}, checkpoint, defaults=defaults)
+    with pytest.raises(SystemExit, match="--contrast-partner"):
+        check_resume(saved, {**saved, "contrast_partner": "batch"}, checkpoint)
+    # A recorded option is compared with the checkpoint, never with the default.
+    with pytest.raises(SystemExit, match="--lr: the interrupted run had 0.0003, this command has 0.001"):
+        check_resume(saved, {"seed": 0, "lr": 1e-3}, checkpoint, defaults=defaults)
