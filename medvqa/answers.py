@@ -18,8 +18,10 @@ import string
 CLOSED_DECODING = "options3"
 _PUNCTUATION = re.compile(f"[{re.escape(string.punctuation.replace('-', ''))}]")
 _YES_NO = {"yes", "no"}
+# "Any" opens the clipped yes/no questions clinicians type ("Any pleural effusion?"); the 4 such questions of
+# VQA-RAD train are all closed.
 _YES_NO_STARTERS = {"is", "are", "was", "were", "does", "do", "did", "can", "could", "has", "have", "had",
-                    "will", "would", "should", "shall", "may", "might", "must"}
+                    "will", "would", "should", "shall", "may", "might", "must", "any"}
 
 
 def normalise(text: str) -> str:

@@ -76,8 +76,9 @@ class Done:
     # A closed answer's scores: {"options": {option: score}, and trust.image_reliance's keys when the
     # options were also scored with a neutral image}; None for free text.
     closed: dict | None = None
-    # Why a closed question's answer has no confidence: its options were not scored (it was generated
-    # as free text, decoder.constrained_closed off); "" otherwise.
+    # Why an answer has no confidence: a closed question's options were not scored (it was generated as
+    # free text, decoder.constrained_closed off: UNSCORED_CLOSED_NOTE), or an open answer was written freely
+    # (FREE_TEXT_NOTE); "" otherwise.
     confidence_note: str = ""
     # With decoder.open_answerer "encoder_head", an open question's answer head reading: {"answer",
     # "probability" (among its answers other than yes/no), "min_probability", "vocabulary" (how many
@@ -139,6 +140,9 @@ class Conversation:
 UNSCORED_CLOSED_NOTE = ("Confidence: not measured. This closed question was answered in free text; "
                         "confidence and abstention need its options scored (decoder.constrained_closed, "
                         "off in this profile as in the model's reference, and an engine that scores them).")
+# ... and of an open question answered in free text (not chosen among training answers nor by the answer head).
+FREE_TEXT_NOTE = ("Confidence: not measured. This answer was written freely by the model; how often such answers "
+                  "are right was not measured, so treat it as unverified.")
 
 
 # The prefix-cache key of prompts asked with the neutral (blank) image: one shared entry, since the
@@ -388,6 +392,7 @@ class Pipeline(ClosedQuestions):
         else:
             pieces = self.engine.stream(request, max_new_tokens=max_new_tokens, seed=self.settings.seed,
                                         timings=timings)
+            confidence_note = confidence_note or FREE_TEXT_NOTE
         answer_parts = []
         for piece in pieces:
             now = time.perf_counter()

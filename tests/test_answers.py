@@ -27,6 +27,8 @@ def test_candidates_come_from_the_question():
     assert closed_candidates("Is this a CT or MRI?") == ["CT", "MRI"]
     assert closed_candidates("Which is bigger, liver or spleen?") == ["Liver", "Spleen"]
     assert closed_candidates("Is there a pleural effusion?") == ["Yes", "No"]
+    assert closed_candidates("Any pleural effusion?") == ["Yes", "No"]  # clipped, as clinicians type
+    assert closed_candidates("Anything abnormal in this image?") is None
     assert closed_candidates("What organ is shown?") is None
     assert normalise("  T2-weighted,  MRI! ") == "t2-weighted mri"
 

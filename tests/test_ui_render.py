@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import re
 
+import numpy as np
 import pytest
 
 
@@ -204,6 +205,28 @@ def test_a_closed_question_answered_in_free_text_says_its_confidence_is_not_meas
                          "stopped": False, "citations": [],
                          "closed": {"choice": answer.text, "abstained": False, "confidence": None, "scored": False}}]}
     assert "- Confidence: not measured" in export_markdown(record)
+
+
+def test_a_freely_written_open_answer_says_its_confidence_is_not_measured(tiny_pipeline):
+    """An open answer the decoder wrote (not chosen among training answers, not the answer head's) has no
+    measured confidence: the pipeline says so, and the chat and the transcript show it."""
+    from medvqa.pipeline import FREE_TEXT_NOTE, Conversation, Done
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import export_markdown
+
+    image = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    done = list(tiny_pipeline.ask(Conversation(image=image), "What organ is shown?", max_new_tokens=3))[-1]
+    assert isinstance(done, Done) and done.closed is None and done.confidence_note == FREE_TEXT_NOTE
+    answer = _Answer("What organ is shown?", scan=None, passages=[], text="Liver", confidence_note=done.confidence_note)
+    rendered = _render_answer(answer, final=True)
+    assert "Confidence: not measured. This answer was written freely" in rendered
+    record = {"notice": "n", "exported_at": "t", "profile": "offline",
+              "scan": {"format": "png", "modality": "", "frames": 1},
+              "turns": [{"question": answer.question, "answer": answer.text, "window": "w", "frame": 1,
+                         "stopped": False, "citations": [],
+                         "answered_by": {"answerer": "decoder_free_text", "note": FREE_TEXT_NOTE}}]}
+    assert "- Confidence: not measured\\. This answer was written freely" in export_markdown(record)
 
 
 def test_a_presupposed_reading_is_shown_with_the_answer():

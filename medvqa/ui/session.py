@@ -20,7 +20,7 @@ from ..imaging import Scan, ScanSource, Series, Study
 from ..injection import InjectionFinding
 from ..answer_head import open_note
 from ..open_choices import choice_note
-from ..pipeline import Conversation, Pipeline
+from ..pipeline import FREE_TEXT_NOTE, Conversation, Pipeline
 from ..presuppose import reading_text
 from ..safe_text import visible
 from .transcript import _citation
@@ -152,7 +152,7 @@ class _Answer:
     injection: InjectionFinding | None = None  # the answer repeats an instruction or link from a passage
     support: list = field(default_factory=list)  # per passage: trust.mark_support's (mark, evidence)
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
-    confidence_note: str = ""  # a closed question answered in free text: why it has no confidence
+    confidence_note: str = ""  # an answer written in free text: why it has no confidence (Done.confidence_note)
     head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
     open_choice: dict | None = None  # an open answer the decoder chose among training answers (Done.open_choice)
 
@@ -174,7 +174,9 @@ class _Answer:
                                **({"reading": reading} if (reading := reading_text(self.closed)) else {})}}
                    if self.closed and "kind" in self.closed else
                    {"closed": {"choice": self.text.strip(), "abstained": False, "confidence": None, "scored": False}}
-                   if self.confidence_note else {}),
+                   if self.confidence_note and self.confidence_note != FREE_TEXT_NOTE else {}),
+                **({"answered_by": {"answerer": "decoder_free_text", "note": self.confidence_note}}
+                   if self.confidence_note == FREE_TEXT_NOTE else {}),
                 **({"answered_by": {"answerer": "encoder_head", "note": head_note,
                                     "probability": round(float(self.head_open["probability"]), 4),
                                     **({"similarity": round(float(self.head_open["similarity"]), 4)}
