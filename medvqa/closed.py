@@ -209,6 +209,11 @@ class ClosedQuestions:
         threshold = calibration.min_confidence(decoder.min_confidence, decoder.threshold_from_calibration)
         verdict = calibration.judge(scores, threshold, decoder.abstain, kind=route, strength=strength)
         closed = {"options": scores, **verdict.record()}
+        chosen = calibration.meta.get("threshold", {})
+        if verdict.abstained and decoder.threshold_from_calibration and chosen.get("target_accuracy"):
+            # Why it was withheld, which the page says instead of repeating the leaning's figure.
+            closed["withheld_below"] = {"target_accuracy": float(chosen["target_accuracy"]),
+                                        "never_met": bool(chosen.get("abstain"))}
         if route == HEAD:
             closed["answerer"] = "encoder_head"
         if calibration.group:

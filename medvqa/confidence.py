@@ -396,15 +396,22 @@ def fit_platt(margins, correct, strength=None, *, iterations: int = 100, ridge: 
     return tuple(float(w) for w in weights)
 
 
-def reliability(confidences, correct, bins=(0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:
-    """Per confidence bin: how many answers, their mean confidence and how many were right."""
+RELIABILITY_BINS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def reliability(confidences, correct, bins=RELIABILITY_BINS, split_at: float | None = None) -> list[dict]:
+    """Per confidence bin: how many answers, their mean confidence and how many were right. `split_at` (the
+    abstention threshold) is made an edge too: the figure the app shows beside an answer (Calibration.held_out)
+    is then of answers on the same side of the threshold, never one bin for an answer given and one withheld."""
     c = np.asarray(confidences, dtype=np.float64)
     y = np.asarray(correct, dtype=np.float64)
+    if split_at is not None and bins[0] < split_at < bins[-1]:
+        bins = tuple(sorted({*bins, round(float(split_at), 2)}))
     rows = []
     for low, high in zip(bins[:-1], bins[1:]):
         inside = (c >= low) & ((c < high) | (high >= 1.0))
         if inside.any():
-            rows.append({"bin": f"{low:.1f}-{high:.1f}", "n": int(inside.sum()),
+            rows.append({"bin": f"{_edge(low)}-{_edge(high)}", "n": int(inside.sum()),
                          "mean_confidence": round(float(c[inside].mean()), 4),
                          "accuracy": round(float(y[inside].mean()), 4)})
     return rows
@@ -451,6 +458,11 @@ def held_out_text(held_out: dict, subject: str = "answers like this") -> str:
         images += ", where the image encoder's own reading gave the other answer"
     return (f"{subject} were right {100 * held_out['accuracy']:.0f} % of the time on held-out "
             f"{images} (n = {held_out['n']})")
+
+
+def _edge(value: float) -> str:
+    """A bin edge as the table names it: "0.6", or "0.66" for a threshold between the tenths."""
+    return f"{value:.1f}" if round(value, 1) == round(value, 2) else f"{value:.2f}"
 
 
 def _sigmoid(z: float) -> float:

@@ -255,12 +255,14 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
         correct = part["correct"]
         calibration = fit(part["margin"], part["kind"], correct, part.get("strength"))
         held = out_of_fold(part, draws=FOLD_DRAWS)
+        threshold = choose_threshold(held, correct, target)
         calibration.meta = {
             "questions": int(mine.sum()), "images": distinct_images(part["image"].tolist()),
             "by_kind": kind_counts(part["kind"]),
             "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
-                            "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
-            "threshold": choose_threshold(held, correct, target), "group": name}
+                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"]),
+                            "risk_coverage": risk_coverage(held, correct)},
+            "threshold": threshold, "group": name}
         fitted[name] = (calibration, held)
     return fitted
 
@@ -587,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                      "questions": {name: int((labels == name).sum()) for name in sorted(set(labels.tolist()))},
                      "accuracy_by_data": agreement_by_data(scores, labels)}
     projector = Path(settings.projector.weights)
+    pooled_threshold = choose_threshold(held, correct, args.target_accuracy)
     calibration.meta = {
         "fitted_on": {"data": args.data, "val": args.val, "val_by_image": args.val_by_image,
                       "holdout_percent": args.holdout_percent or None, "seed": args.seed,
@@ -599,8 +602,9 @@ def main(argv: list[str] | None = None) -> int:
             "head_answers": sorted(settings.decoder.head_answers)} if head else {}),
         "reliability_in_sample": reliability(in_sample, correct),
         "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
-                        "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
-        "threshold": choose_threshold(held, correct, args.target_accuracy),
+                        "reliability": reliability(held, correct, split_at=pooled_threshold["min_confidence"]),
+                        "risk_coverage": risk_coverage(held, correct)},
+        "threshold": pooled_threshold,
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},
         "groups_by_data": groups_by_data(scores),
         **({"wording": wording} if wording else {}),

@@ -159,7 +159,8 @@ def fitted_part(scores: dict, mask: np.ndarray, share: bool, target: float, name
             "reliability_in_sample": reliability(in_sample, correct),
             "out_of_fold": {**summary_at(held, correct, threshold["min_confidence"] or 1.0),
                             "log_loss": round(log_loss(held, correct), 4),
-                            "reliability": reliability(held, correct), "risk_coverage": risk_coverage(held, correct)},
+                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"]),
+                            "risk_coverage": risk_coverage(held, correct)},
             "threshold": threshold,
             "withheld_out_of_fold": {"n": int(withheld.sum()),
                                      "accuracy": round(float(correct[withheld].mean()), 4) if withheld.any() else None}}

@@ -147,6 +147,35 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
         "before => document.querySelector('#medvqa-scan').src !== before", arg=lung_src)
     assert "user window (C 40 / W 1500)" in page.inner_text("#medvqa-viewer")
 
+    # A centre typed beyond the slider is taken as its end: the chat stays as it was, with no error on it.
+    chat_before = page.inner_text("#medvqa-chat")
+    center.fill("-50000")
+    center.press("Tab")
+    page.wait_for_function("() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C -')"
+                           " && !document.querySelector('#medvqa-viewer').innerText.includes('(C 40 ')")
+    page.wait_for_timeout(500)
+    assert page.inner_text("#medvqa-chat") == chat_before and page.locator("#medvqa-chat").is_visible()
+    assert page.get_by_text("less than minimum value").count() == 0
+
+
+def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
+    """Enter in the question box asks (Shift+Enter would start a new line); an error that follows an answer
+    is a chat message of its own, not a line added to the answer."""
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    box = page.locator("#medvqa-question textarea")
+    box.fill(QUESTION)
+    box.press("Enter")
+    page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+    replies = page.locator("#medvqa-chat [data-testid='bot']")
+    answered = replies.count()
+    page.wait_for_timeout(1200)  # past a double click's second click
+    page.click("#medvqa-ask")  # with the box empty
+    page.wait_for_function("n => document.querySelectorAll(\"#medvqa-chat [data-testid='bot']\").length > n",
+                           arg=answered, timeout=30_000)
+    assert "Please type a question" in page.locator(LAST_REPLY).inner_text()
+    assert "Please type a question" not in replies.nth(answered - 1).inner_text()
+    screenshot(page, "05b-error-as-its-own-message.png")
+
 
 def test_oversize_upload_is_refused_with_a_message(page, tmp_path):
     big = tmp_path / "too-big.dcm"

@@ -257,6 +257,23 @@ def test_a_chosen_threshold_replaces_min_confidence_and_older_files_still_load(t
     assert missed.min_confidence(0.7) == 0.7  # no threshold met the target: the configured one
 
 
+def test_the_reliability_table_is_split_at_the_threshold_so_given_and_withheld_answers_differ():
+    """With the threshold inside a bin, an answer given and one withheld would show the same figure; the
+    table gets the threshold as an edge, and each answer the figure of its side."""
+    confidence = np.array([0.61, 0.62, 0.63, 0.64, 0.67, 0.68, 0.69, 0.75])
+    correct = np.array([0, 1, 0, 0, 1, 1, 0, 1], bool)
+    plain = reliability(confidence, correct)
+    assert [row["bin"] for row in plain] == ["0.6-0.7", "0.7-0.8"]
+    split = reliability(confidence, correct, split_at=0.66)
+    assert [(row["bin"], row["n"]) for row in split] == [("0.6-0.66", 4), ("0.66-0.7", 3), ("0.7-0.8", 1)]
+    assert reliability(confidence, correct, split_at=0.7) == plain  # already an edge
+    calibration = Calibration({YES_NO: (1.0, 0.0)}, {"out_of_fold": {"reliability": split},
+                                                     "threshold": {"min_confidence": 0.66, "met": True}})
+    withheld, given = calibration.held_out(0.65), calibration.held_out(0.66)
+    assert (withheld["bin"], withheld["accuracy"]) == ("0.6-0.66", 0.25)
+    assert (given["bin"], given["n"]) == ("0.66-0.7", 3) and abs(given["accuracy"] - 2 / 3) < 1e-3
+
+
 def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch):
     from medvqa.ui.render import _confidence_html
     from medvqa.ui.transcript import export_markdown
@@ -272,6 +289,19 @@ def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch
     assert done.closed["abstained"] and done.closed["held_out"]["n"] == 10
     assert shown in done.answer and "leans to" in done.answer
     assert _confidence_html(done.closed) == f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {shown}.</div>'
+    # With a threshold chosen for a target, the line under a withheld answer says why instead of repeating
+    # the leaning's figure; a part where no threshold met the target says that.
+    monkeypatch.setattr(calibration, "meta", _out_of_fold_meta({"target_accuracy": 0.8, "min_confidence": 0.66,
+                                                                "met": True}))
+    withheld = _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed
+    assert withheld["abstained"] and withheld["withheld_below"] == {"target_accuracy": 0.8, "never_met": False}
+    assert "answers where held-out answers at that confidence or above were right at least 80 %" in \
+        _confidence_html(withheld) and shown not in _confidence_html(withheld)
+    monkeypatch.setattr(calibration, "meta", _out_of_fold_meta({"target_accuracy": 0.8, "min_confidence": None,
+                                                                "met": False, "abstain": True}))
+    never = _ask(tiny_pipeline, "Is the heart enlarged?")[-1].closed
+    assert "no confidence of answers like this was right 80 % of the time" in _confidence_html(never)
+    monkeypatch.setattr(calibration, "meta", _out_of_fold_meta())
     assert _confidence_html(dict(done.closed, abstained=False)) == f'<div class="medvqa-confidence">Confidence: {shown}.</div>'
     record = {"notice": "n", "exported_at": "t", "profile": "tiny", "scan": {"format": "png", "modality": "", "frames": 1},
               "turns": [{"question": "Is the heart enlarged?", "answer": done.answer, "window": "w", "frame": 1,

@@ -104,6 +104,10 @@ def test_window_controls_change_what_is_shown_and_what_the_model_sees(app_url):
     turns = json.loads(c.predict(api_name="/export")[2])["turns"]
     assert "lung window (C -600 / W 1500)" in turns[0]["window"]
     assert turns[1]["window"] == "user window (C 40 / W 80)"
+    # Values typed beyond the sliders' ranges are taken as their nearest ends, never an error on the page.
+    viewer3, _, center, width, *_ , chat = c.predict(-5000, 0, 1, api_name="/set_window")
+    assert f"user window (C {center['minimum']:g} / W 1)" in viewer3 and width["value"] == 1
+    assert "medvqa-error" not in last_reply(chat)
 
 
 def test_multiframe_scan_has_a_frame_slider(app_url):

@@ -134,3 +134,65 @@ def test_a_new_window_ends_the_old_conversation_outside_the_sessions_lock(ui_pip
     handlers._render(session, "lung", None)
     assert ended == [(old, False)] and session.conversation is not old
     session.close()
+
+
+def test_a_double_click_asks_once_and_a_refused_question_goes_back_to_the_box(ui_pipeline, upload_folder):
+    """The page sends a double click's question twice (or the box it has just emptied): it is asked once.
+    A question the pipeline refuses (too long for the model) comes back to the question box."""
+    import shutil
+
+    import gradio as gr
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "double-click"
+    folder.mkdir()
+    path = shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm")
+    *_, session = handlers.upload({"path": str(path)}, None)
+    first = handlers.ask("Is there a pleural effusion?", session)
+    next(first)  # asked: shown and waiting for its turn
+    for again in ("Is there a pleural effusion?", ""):
+        updates = list(handlers.ask(again, session))
+        assert len(updates) == 1 and isinstance(updates[0][1], type(gr.skip()))
+        assert [message["role"] for message in updates[0][0]] == ["user", "assistant"]  # nothing added
+    list(first)
+    assert [turn["question"] for turn in session.turns] == ["Is there a pleural effusion?"]
+    # Once answered, the same question may be asked again straight away.
+    list(handlers.ask("Is there a pleural effusion?", session))
+    assert len(session.turns) == 2
+
+    too_long = "Is there an effusion? " * 2000
+    chat, box = list(handlers.ask(too_long, session))[-1]
+    assert "too long" in last_reply(chat) and box == too_long.strip()
+    session.close()
+
+
+def test_window_and_frame_values_beyond_the_sliders_are_brought_within_them(ui_pipeline, upload_folder):
+    """Typed in the sliders' boxes, a centre, width or frame out of range is taken as the nearest end of
+    the slider (the page sends them unchecked: Gradio's check would put the chat in an error state)."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    def opened(name: str):
+        folder = upload_folder / f"beyond-{name}"
+        folder.mkdir()
+        *_, session = handlers.upload({"path": str(shutil.copy(dicom_file(name), folder / name))}, None)
+        return session
+
+    session = opened("CT_small.dcm")
+    viewer, _, center, width, _, _, chat, session = handlers.set_window(-5000, 0, 1, session)
+    assert center.minimum <= -1100 and "user window (C " in viewer and " / W 1)" in viewer
+    assert f"C {center.minimum:g} " in viewer and width.value == 1 and not chat  # no error in the chat
+    _, _, _, _, _, _, chat, session = handlers.set_window("nan", 400, 1, session)
+    assert "must be numbers" in last_reply(chat)
+    session.close()
+
+    session = opened("rtdose.dcm")  # 15 frames
+    viewer, *_ = handlers.set_frame(99, session)
+    assert "frame 15 of 15" in viewer
+    viewer, *_ = handlers.set_frame(-3, session)
+    assert "frame 1 of 15" in viewer
+    session.close()

@@ -11,6 +11,7 @@ its warming, so concurrent answers interleave token by token.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Iterator
 
@@ -31,6 +32,9 @@ from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices,
                      _viewer_html)
 
 log = logging.getLogger(__name__)
+
+# Two asks of the same question (or of the box just emptied) this close together are one double click.
+DOUBLE_CLICK_S = 1.0
 
 
 class _Handlers:
@@ -111,18 +115,35 @@ class _Handlers:
         return self._render(session, preset, frame)
 
     def set_window(self, center: float, width: float, frame: float, session: _Session | None):
-        """A window set with the centre and width sliders."""
+        """A window set with the centre and width sliders, or typed in their boxes: a value beyond a
+        slider's range is brought to its nearest end, as a drag would be (the page sends the values
+        unchecked, so that a typed value out of range never puts the page in an error state)."""
         try:
-            window = Window(float(center), float(width), "user")
+            center, width = float(center), float(width)
+            if not (math.isfinite(center) and math.isfinite(width)):
+                raise ValueError("not finite")
         except (TypeError, ValueError):
             return self.viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
-        return self._render(session, window, frame)
+        if session is not None:
+            default = session.source.default_window or session.scan.window or Window(40, 400, "none")
+            (low, high), width_max = _slider_ranges(default, session.scan.window or default)
+            center, width = min(max(center, low), high), min(max(width, 1.0), width_max)
+        return self._render(session, Window(center, width, "user"), frame)
 
     def set_frame(self, frame: float, session: _Session | None):
-        """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far."""
+        """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far; a
+        number typed beyond the first or last is taken as that one."""
+        try:
+            frame = float(frame)
+            if not math.isfinite(frame):
+                raise ValueError("not finite")
+        except (TypeError, ValueError):
+            return self.viewer_unchanged(session, _error_message("The frame must be a number."))
         window = session.scan.window if session else None
         if window is not None and window.name in ("file", "file-lut"):
             window = None  # each frame with its own window from the file, as a viewer scrolls a stack
+        if session is not None:
+            frame = min(max(round(frame), 1), session.source.frame_count)
         return self._render(session, window, frame, slider_moved=True)
 
     def _render(self, session: _Session | None, window, frame, slider_moved: bool = False):
@@ -213,11 +234,18 @@ class _Handlers:
             yield [_error_message("Please upload a scan first, then ask about it.")], question
             return
         with session.lock:  # never held across a yield: a cancelled generator is not resumed
-            if not question:
+            now, (last, asked_at, last_answer) = time.monotonic(), session.last_asked
+            pending = last_answer is not None and (last_answer is session.current or last_answer in session.waiting)
+            if now - asked_at < DOUBLE_CLICK_S and (not question or (question == last and pending)):
+                # The second click of a double click: the page sent the question again while it is being
+                # answered (or the box it had just emptied); it is asked once.
+                snapshot, answer, question = _copy(session.messages), None, gr.skip()
+            elif not question:
                 session.messages.append(_error_message("Please type a question about the image."))
                 snapshot, answer = _copy(session.messages), None
             else:
                 answer = _Answer(question, session.scan)
+                session.last_asked = (question, now, answer)
                 generation = session.generation
                 session.waiting.append(answer)
                 session.messages.append({"role": "user", "content": _escape_model_text(question)})
@@ -249,7 +277,8 @@ class _Handlers:
                 return
             with self.budget.using(session):  # the model may need the pixels again: never dropped meanwhile
                 for update in self._stream(session, answer, generation, reply):
-                    yield update, gr.skip()
+                    # A question the pipeline refused (too long for the model) goes back to the box.
+                    yield update, answer.question if answer.refused else gr.skip()
         finally:
             with session.lock:
                 if answer in session.waiting:
@@ -276,6 +305,7 @@ class _Handlers:
                                                safe_meta=session.scan.safe_meta)
                     continue
                 text = _failure_text(error)
+                answer.refused = isinstance(error, ValueError) and not answer.text  # the pipeline's own refusal
                 self._count_error(_error_kind(error))
                 if not isinstance(error, ValueError):
                     log.exception("answer failed")

@@ -100,11 +100,14 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                 with gr.Accordion("Scan metadata (non-identifying fields only)", open=False):
                     meta = gr.JSON(show_label=False, elem_id="medvqa-meta")
             with gr.Column(scale=7):
+                # Each message its own bubble: an error after an answer is not read as part of it.
                 chatbot = gr.Chatbot(label="Conversation", height=520, elem_id="medvqa-chat",
                                      latex_delimiters=[], feedback_options=None, buttons=["copy"],
+                                     group_consecutive_messages=False,
                                      placeholder="Upload a scan, then ask a question about it.")
-                question = gr.Textbox(label="Question", placeholder="e.g. Is there a pleural effusion?",
-                                      lines=2, max_lines=6, elem_id="medvqa-question")
+                # One line to start: Enter asks, Shift+Enter starts a new line (Gradio's rule for one line).
+                question = gr.Textbox(label="Question", placeholder="e.g. Is there a pleural effusion? (Enter asks; "
+                                      "Shift+Enter starts a new line)", lines=1, max_lines=6, elem_id="medvqa-question")
                 with gr.Row():
                     ask_button = gr.Button("Ask", variant="primary", elem_id="medvqa-ask")
                     stop_button = gr.Button("Stop", variant="stop", elem_id="medvqa-stop")
@@ -154,12 +157,15 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                             concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
         preset.input(handlers.set_preset, [preset, frame, session], viewer_outputs, api_name="set_preset",
                      concurrency_limit=4, concurrency_id="scan-render").then(**warming)
+        # preprocess=False: a number typed beyond a slider's range reaches the handler, which brings it
+        # within range; Gradio's own check would put every output, the chat among them, in an error state.
         gr.on([center.release, width.release], handlers.set_window, [center, width, frame, session],
               viewer_outputs, api_name="set_window", concurrency_limit=4, concurrency_id="scan-render",
-              trigger_mode="always_last").then(**warming)
+              trigger_mode="always_last", preprocess=False).then(**warming)
         # input: the arrow keys scroll the slider (they send no release); always_last collapses a drag.
         gr.on([frame.release, frame.input], handlers.set_frame, [frame, session], viewer_outputs, api_name="set_frame",
-              concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last").then(**warming)
+              concurrency_limit=4, concurrency_id="scan-render", trigger_mode="always_last",
+              preprocess=False).then(**warming)
         question.input(**warming, trigger_mode="always_last")
         # Asking takes the question out of the box at once (not queued), then answers it from a hidden
         # copy: the box is free for the next question straight away, and nothing the answer sends back

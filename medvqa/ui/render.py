@@ -91,7 +91,7 @@ def _confidence_html(closed: dict) -> str:
     if closed.get("held_out"):  # the out-of-fold reliability, from files that carry it
         measured = held_out_text(closed["held_out"])
         if closed.get("abstained"):
-            return f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {measured}.</div>'
+            return f'<div class="medvqa-confidence medvqa-uncertain">Not answered: {_why_withheld(closed, measured)}.</div>'
         return f'<div class="medvqa-confidence">Confidence: {measured}.</div>'
     share = f"{100 * closed['confidence']:.0f} %"
     if closed.get("abstained"):
@@ -99,6 +99,20 @@ def _confidence_html(closed: dict) -> str:
                 f'estimated right {share} of the time on images it was not trained on.</div>')
     return (f'<div class="medvqa-confidence">Confidence: {share} (how often answers with this margin were right '
             f'on held-out training images).</div>')
+
+
+def _why_withheld(closed: dict, measured: str) -> str:
+    """Why a closed answer was withheld, where the leaning above it already gives its figure: the accuracy
+    the app answers at (the calibration's target), or that no confidence of its kind reached it."""
+    below = closed.get("withheld_below")
+    if not below:
+        return measured
+    target = f"{100 * below['target_accuracy']:.0f} %"
+    if below["never_met"]:
+        return (f"on held-out training images, no confidence of answers like this was right {target} of the time, "
+                "so the app withholds them all")
+    return (f"the app answers where held-out answers at that confidence or above were right at least {target} of "
+            "the time; this one's confidence is below that")
 
 
 def _presupposed_html(closed: dict) -> str:

@@ -42,6 +42,8 @@ class _Session:
     generation: int = 0  # bumped by Stop / New conversation / a new scan: a running answer then ends
     current: _Answer | None = None  # the answer being streamed
     waiting: list = field(default_factory=list)  # questions asked meanwhile (_Answer), answered in this order
+    # The last question asked, when (time.monotonic) and its _Answer: a double click asks it once (handlers.ask).
+    last_asked: tuple = ("", float("-inf"), None)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     budget: Any = field(default=None, repr=False)  # the app's DecodedBudget (budget.py), which may drop the pixels
 
@@ -153,6 +155,7 @@ class _Answer:
     support: list = field(default_factory=list)  # per passage: trust.mark_support's (mark, evidence)
     closed: dict | None = None  # a closed answer's option scores and image reliance (Done.closed)
     confidence_note: str = ""  # an answer written in free text: why it has no confidence (Done.confidence_note)
+    refused: bool = False  # the pipeline refused the question (too long): it goes back to the question box
     head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
     open_choice: dict | None = None  # an open answer the decoder chose among training answers (Done.open_choice)
 
