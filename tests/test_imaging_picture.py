@@ -54,7 +54,7 @@ def test_rgb_rgba_palette_jpeg_and_tiff():
     jpeg = load_scan(encode(Image.fromarray(rgb), "JPEG", quality=95))
     assert jpeg.source_format == "jpeg" and np.abs(jpeg.pixels.astype(int) - rgb).max() <= 3
 
-    pages = [Image.fromarray(np.full((4, 4), 1000 * (k + 1), np.uint16)) for k in range(3)]
+    pages = [Image.fromarray(np.full((8, 8), 1000 * (k + 1), np.uint16)) for k in range(3)]
     buffer = io.BytesIO()
     pages[0].save(buffer, "TIFF", save_all=True, append_images=pages[1:])
     source = open_scan(buffer.getvalue())

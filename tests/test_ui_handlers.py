@@ -28,6 +28,21 @@ def test_oversize_file_reaching_the_handler_is_refused_with_a_message(tmp_path, 
     assert not folder.exists(), "the refused upload is deleted too"
 
 
+def test_an_image_too_small_to_read_is_refused_before_the_model_sees_it(ui_pipeline, upload_folder):
+    """A 1×1 pixel or a 3000×1 strip used to open and be answered about; now the chat says why not."""
+    from PIL import Image
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    for size in ((1, 1), (3000, 1)):
+        folder = upload_folder / f"tiny{size[0]}"
+        folder.mkdir()
+        Image.new("L", size, 90).save(folder / "tiny.png")
+        _, viewer, *_, chat, session = handlers.upload({"path": str(folder / "tiny.png")}, None)
+        assert session is None and f"This image is {size[0]}×{size[1]} pixels, too small to read" in last_reply(chat)
+
+
 def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conversation(
         ui_pipeline, upload_folder):
     """What the app runs after a scan is shown (Handlers.warm, chained to upload, window, frame and

@@ -28,7 +28,7 @@ from .archive import _read_files
 from .dicom import _NoImage, _open_dicom_placed, _Placement
 from .guard import ScanError, _run_public
 from .picture import _open_picture
-from .scan import Scan, ScanLimits, ScanSource, _check_frame
+from .scan import MIN_SIDE, Scan, ScanLimits, ScanSource, _check_frame, _TooSmall
 from .upload import _sniff_format
 from .windowing import Window
 
@@ -147,6 +147,9 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
                 source, placement = _open_dicom_placed(raw, limits)
             except _NoImage as error:
                 skipped[f"{error.what} (no image)"] += 1
+                continue
+            except _TooSmall:
+                skipped[f"an image under {MIN_SIDE} pixels a side, too small to read"] += 1
                 continue
             except ScanError:
                 skipped["a DICOM file that could not be read"] += 1
