@@ -26,6 +26,7 @@ from .windowing import (
     _default_window,
     _Frame,
     _to_rgb8,
+    _value_range,
 )
 
 
@@ -91,7 +92,9 @@ class ScanSource:
         self._forget = forget
         self._held = held
         # Decode the default frame now, so that a damaged or degenerate upload is refused when it is opened.
-        self.default_window = _default_window(self._checked_frame(self.default_frame, opening=True))
+        default = self._checked_frame(self.default_frame, opening=True)
+        self.default_window = _default_window(default)
+        self.value_range = _value_range(default)  # (lowest, highest) grey value of the default frame, or None
 
     def forget_decoded(self) -> None:
         """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""

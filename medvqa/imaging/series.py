@@ -47,7 +47,7 @@ class _Slice:
 
 class Series:
     """The slices of one series in display order. Offers ScanSource's interface (render, frame_count,
-    default_frame, default_window, safe_meta), a frame being a slice."""
+    default_frame, default_window, value_range, safe_meta), a frame being a slice."""
 
     def __init__(self, number: int, slices: list[_Slice], positions_mm: list[float | None], warnings: list[str]):
         self.number = number  # 1, 2, ... in the order the study lists them: never a UID
@@ -62,6 +62,7 @@ class Series:
         self.frame_count = len(slices)
         self.default_frame = len(slices) // 2
         self.default_window = middle.default_window  # one window for the whole series while scrolling
+        self.value_range = middle.value_range
         self._shown: ScanSource | None = None
 
     def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
