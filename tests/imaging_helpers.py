@@ -62,9 +62,11 @@ def linear_window(values: np.ndarray, center: float, width: float) -> np.ndarray
     return np.clip(np.rint(gray), 0, 255).astype(np.uint8)
 
 
-HU = np.array([[-1024, -1000, -600, -100],
-               [0, 40, 80, 150],
-               [400, 1000, 1300, 3000]])
+# Twelve known HU values, tiled to 9 × 8 pixels (each value six times: the histogram, and so any
+# automatic window, is the 3 × 4 block's) since an image under MIN_SIDE (8) pixels a side is refused.
+HU = np.tile([[-1024, -1000, -600, -100],
+              [0, 40, 80, 150],
+              [400, 1000, 1300, 3000]], (3, 2))
 
 
 def ct_from_hu(hu: np.ndarray = HU, **attributes) -> bytes:

@@ -28,6 +28,17 @@ def test_16_bit_png_is_windowed_to_a_robust_percentile_range():
     np.testing.assert_array_equal(user.pixels[..., 0], linear_window(values.astype(float), 2000, 1000))
 
 
+def test_a_picture_gives_the_value_range_its_window_controls_span():
+    values = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 9 + 1000  # 1000 .. 37855
+    assert open_scan(encode(Image.fromarray(values), "PNG")).value_range == (1000.0, 37855.0)
+    ramp = np.linspace(0.25, 0.75, 256, dtype=np.float32).reshape(16, 16)
+    ramp[0, 0] = np.nan  # NaN is no value: left out of the range
+    assert open_scan(encode(Image.fromarray(ramp, "F"), "TIFF")).value_range == (float(ramp[0, 1]), 0.75)
+    gray = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    assert open_scan(encode(Image.fromarray(gray[2:14]), "PNG")).value_range == (32.0, 223.0)
+    assert open_scan(encode(Image.new("RGB", (8, 8)), "PNG")).value_range is None
+
+
 def test_8_bit_grayscale_png_is_shown_as_stored():
     values = np.arange(256, dtype=np.uint8).reshape(16, 16)
     scan = load_scan(encode(Image.fromarray(values), "PNG"))
@@ -54,7 +65,7 @@ def test_rgb_rgba_palette_jpeg_and_tiff():
     jpeg = load_scan(encode(Image.fromarray(rgb), "JPEG", quality=95))
     assert jpeg.source_format == "jpeg" and np.abs(jpeg.pixels.astype(int) - rgb).max() <= 3
 
-    pages = [Image.fromarray(np.full((4, 4), 1000 * (k + 1), np.uint16)) for k in range(3)]
+    pages = [Image.fromarray(np.full((8, 8), 1000 * (k + 1), np.uint16)) for k in range(3)]
     buffer = io.BytesIO()
     pages[0].save(buffer, "TIFF", save_all=True, append_images=pages[1:])
     source = open_scan(buffer.getvalue())

@@ -3,6 +3,8 @@ limits checked before decoding, and windows typed by a user."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -18,6 +20,7 @@ from medvqa.imaging import (
     open_scan,
     parse_window,
 )
+from medvqa.imaging.scan import MIN_SIDE
 
 from .imaging_helpers import HU, ct_from_hu, dicom_bytes, encode, linear_window, make_dicom
 
@@ -67,6 +70,32 @@ def test_limits_are_checked_before_decoding():
         load_scan(ct_from_hu(), limits=ScanLimits(max_decoded_bytes=10))
 
 
+@pytest.mark.parametrize("size, kind", [((1, 1), "PNG"), ((3000, 1), "PNG"), ((1, 3000), "PNG"),
+                                        ((7, 200), "JPEG"), ((200, 7), "TIFF")])
+def test_an_image_too_small_to_read_is_refused_with_its_size(size, kind):
+    columns, rows = size
+    data = encode(Image.new("L", size, 90), kind)
+    with pytest.raises(ScanError, match=f"^This image is {columns}×{rows} pixels, too small to read; the smallest "
+                                        f"accepted is {MIN_SIDE} pixels on each side\\.$"):
+        open_scan(data)
+    assert load_scan(encode(Image.new("L", (MIN_SIDE, MIN_SIDE), 90), kind)).pixels.shape == (MIN_SIDE, MIN_SIDE, 3)
+
+
+def test_a_dicom_and_a_frame_too_small_to_read_are_refused_in_the_same_words():
+    with pytest.raises(ScanError, match="^This image is 7×64 pixels, too small to read"):
+        open_scan(dicom_bytes(make_dicom(np.zeros((64, 7)))))
+    with pytest.raises(ScanError, match="^This image is 2×2 pixels, too small to read"):
+        open_scan(dicom_bytes(make_dicom(np.zeros((4, 2, 2)))))  # every frame of a multi-frame file
+    # TIFF pages may differ in size: a small one is refused when it is shown, the others still open.
+    pages = [Image.new("I;16", (16, 16)), Image.new("I;16", (16, 16)), Image.new("I;16", (4, 16))]
+    buffer = io.BytesIO()
+    pages[0].save(buffer, "TIFF", save_all=True, append_images=pages[1:])
+    source = open_scan(buffer.getvalue())
+    assert source.render(frame=0).pixels.shape == (16, 16, 3)
+    with pytest.raises(ScanError, match="^Frame 3 of this image is 4×16 pixels, too small to read"):
+        source.render(frame=2)
+
+
 def test_scan_type():
-    scan = load_scan(encode(Image.new("RGB", (3, 2)), "PNG"))
-    assert isinstance(scan, Scan) and scan.pixels.shape == (2, 3, 3)
+    scan = load_scan(encode(Image.new("RGB", (12, 8)), "PNG"))
+    assert isinstance(scan, Scan) and scan.pixels.shape == (8, 12, 3)

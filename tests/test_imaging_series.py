@@ -14,7 +14,7 @@ from pydicom.dataset import Dataset
 
 from medvqa.imaging import ScanError, ScanLimits, Window, open_study
 
-from .imaging_helpers import PLANTED, ct_series, dicom_bytes, zip_bytes
+from .imaging_helpers import PLANTED, ct_series, dicom_bytes, make_dicom, zip_bytes
 
 READ_BACK = Window(200, 1000, "user")  # disc values 0..390 HU (slice index × 10) land on distinct grey levels
 
@@ -70,6 +70,13 @@ def test_a_folder_with_a_report_and_stray_files_skips_them_with_notes(tmp_path):
     study = open_study(tmp_path)
     assert [s.frame_count for s in study.series] == [8]
     assert study.notes == ["Skipped 1 file: a Structured Report (no image).", "Skipped 1 file: not a DICOM file."]
+
+
+def test_a_file_too_small_to_read_is_skipped_with_a_note_of_its_own():
+    tiny = dicom_bytes(make_dicom(np.zeros((1, 1)), **PLANTED))
+    study = open_study(ct_series(5) + [tiny])
+    assert [s.frame_count for s in study.series] == [5]
+    assert study.notes == ["Skipped 1 file: an image under 8 pixels a side, too small to read."]
 
 
 def test_two_series_are_kept_apart_largest_first():

@@ -26,7 +26,7 @@ from .imaging_helpers import CT_IMAGE_STORAGE, ct_from_hu, dicom_bytes, encode, 
 
 def test_format_is_chosen_by_content_not_name(tmp_path):
     path = tmp_path / "scan.dcm"
-    path.write_bytes(encode(Image.new("L", (4, 4), 7), "PNG"))
+    path.write_bytes(encode(Image.new("L", (8, 8), 7), "PNG"))
     assert load_scan(path).source_format == "png"
 
 

@@ -18,7 +18,7 @@ from .imaging_helpers import HU, ct_from_hu, dicom_bytes, linear_window, make_di
 def test_ct_hu_values_give_known_gray_levels_under_each_preset(preset):
     window = WINDOW_PRESETS[preset]
     scan = load_scan(ct_from_hu(), window=preset)
-    assert scan.pixels.shape == (3, 4, 3) and scan.pixels.dtype == np.uint8
+    assert scan.pixels.shape == (*HU.shape, 3) and scan.pixels.dtype == np.uint8
     assert (scan.pixels[..., 0] == scan.pixels[..., 1]).all() and (scan.pixels[..., 1] == scan.pixels[..., 2]).all()
     np.testing.assert_array_equal(scan.pixels[..., 0], linear_window(HU, window.center, window.width))
     assert scan.window == window

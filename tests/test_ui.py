@@ -130,6 +130,29 @@ def test_png_upload_has_no_window_controls(app_url, tmp_path):
     assert not shown["preset"]["visible"] and not shown["center"]["visible"] and not shown["frame"]["visible"]
 
 
+def test_16_bit_png_upload_is_windowed_over_its_own_values(app_url, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "ct-slice.png"
+    Image.fromarray((np.arange(96 * 64).reshape(64, 96) * 10).astype(np.uint16)).save(path)  # 0 .. 61430
+    c = client(app_url)
+    shown = upload(c, path)
+    assert shown["preset"]["visible"] and shown["center"]["visible"] and shown["width"]["visible"]
+    assert [value for _, value in shown["preset"]["choices"]] == ["auto", "custom"]
+    assert (shown["center"]["minimum"], shown["center"]["maximum"], shown["width"]["maximum"]) == (0, 61430, 61430)
+    viewer, *_ = c.predict(20000, 10000, 1, api_name="/set_window")
+    assert "user window (C 20000 / W 10000)" in viewer and image_src(viewer) != image_src(shown["viewer"])
+    ask_streaming(c, QUESTION)
+    assert json.loads(c.predict(api_name="/export")[2])["turns"][0]["window"] == "user window (C 20000 / W 10000)"
+    # The CT presets are not offered, so Gradio itself refuses one (the handler would too); a DICOM
+    # uploaded next gets them back.
+    with pytest.raises(gradio_client.exceptions.AppError, match="lung is not in the list of choices"):
+        c.predict("lung", 1, api_name="/set_preset")
+    upload(c, dicom_file("CT_small.dcm"))
+    assert "lung window" in c.predict("lung", 1, api_name="/set_preset")[0]
+
+
 def test_two_concurrent_sessions_see_only_their_own_scan_and_chat(app_url):
     scans = {"a": dicom_file("CT_small.dcm"), "b": dicom_file("MR_small.dcm")}
     questions = {"a": "Is there a pleural effusion on this CT?", "b": "Is there a lesion in the brain MRI?"}

@@ -28,6 +28,21 @@ def test_oversize_file_reaching_the_handler_is_refused_with_a_message(tmp_path, 
     assert not folder.exists(), "the refused upload is deleted too"
 
 
+def test_an_image_too_small_to_read_is_refused_before_the_model_sees_it(ui_pipeline, upload_folder):
+    """A 1×1 pixel or a 3000×1 strip used to open and be answered about; now the chat says why not."""
+    from PIL import Image
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    for size in ((1, 1), (3000, 1)):
+        folder = upload_folder / f"tiny{size[0]}"
+        folder.mkdir()
+        Image.new("L", size, 90).save(folder / "tiny.png")
+        _, viewer, *_, chat, session = handlers.upload({"path": str(folder / "tiny.png")}, None)
+        assert session is None and f"This image is {size[0]}×{size[1]} pixels, too small to read" in last_reply(chat)
+
+
 def test_warming_caches_the_prompt_up_to_the_question_and_never_a_replaced_conversation(
         ui_pipeline, upload_folder):
     """What the app runs after a scan is shown (Handlers.warm, chained to upload, window, frame and
@@ -196,3 +211,61 @@ def test_window_and_frame_values_beyond_the_sliders_are_brought_within_them(ui_p
     viewer, *_ = handlers.set_frame(-3, session)
     assert "frame 1 of 15" in viewer
     session.close()
+
+
+def _upload_picture(handlers, upload_folder, name: str, image):
+    """(viewer, preset, centre, width, chat, session) after uploading `image` through the handler."""
+    folder = upload_folder / name
+    folder.mkdir()
+    image.save(folder / name)
+    _, viewer, preset, center, width, _frame, _meta, chat, session = handlers.upload({"path": str(folder / name)}, None)
+    return viewer, preset, center, width, chat, session
+
+
+def test_a_16_bit_png_gets_window_controls_over_its_own_values_and_the_model_sees_its_window(
+        ui_pipeline, upload_folder):
+    """A CT slice exported as a 16-bit PNG is windowed like a DICOM, without the CT presets (its values
+    are no Hounsfield units); the window set is what the model sees. 8-bit grey and colour get no controls."""
+    import numpy as np
+    from PIL import Image
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    values = (np.arange(64 * 64).reshape(64, 64) * 15).astype(np.uint16)  # 0 .. 61425
+    viewer, preset, center, width, _, session = _upload_picture(handlers, upload_folder, "ct.png",
+                                                                Image.fromarray(values))
+    assert "automatic window" in viewer and preset.visible and center.visible and width.visible
+    assert preset.choices == [("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
+    assert preset.value == "auto" and (center.value, width.value) == (session.scan.window.center,
+                                                                      session.scan.window.width)
+    assert (center.minimum, center.maximum, width.minimum, width.maximum, center.step) == (0, 61425, 1, 61425, 1)
+
+    viewer, preset, center, width, *_ = handlers.set_window(30000, 20000, 1, session)
+    assert "user window (C 30000 / W 20000)" in viewer and preset.value == "custom"
+    expected = np.clip(np.rint((values / 20000 - 1) * 255), 0, 255).astype(np.uint8)  # 30000 ± 10000 → 0..255
+    np.testing.assert_array_equal(session.scan.pixels[..., 0], expected)
+    assert session.conversation.image is session.scan.pixels  # the model sees exactly what is shown
+    assert session.conversation.window == "user window (C 30000 / W 20000)"
+
+    shown = session.scan
+    *_, chat, _ = handlers.set_preset("lung", 1, session)
+    assert "Hounsfield units, which a PNG image does not have" in last_reply(chat) and session.scan is shown
+    viewer, preset, *_ = handlers.set_preset("auto", 1, session)
+    assert "automatic window" in viewer and preset.value == "auto"
+    session.close()
+
+    ramp = np.linspace(0.0, 0.5, 32 * 32, dtype=np.float32).reshape(32, 32)  # a float TIFF, under one unit
+    _, preset, center, width, _, session = _upload_picture(handlers, upload_folder, "map.tiff",
+                                                           Image.fromarray(ramp, "F"))
+    assert preset.visible and (center.minimum, center.maximum, center.step) == (0, 0.5, 0.001)
+    assert (width.minimum, width.maximum) == (0.001, 0.5)
+    handlers.set_window(0.25, 0.1, 1, session)  # narrower than one unit: still a window
+    assert session.scan.window.describe() == "user window (C 0.25 / W 0.1)"
+    assert session.scan.pixels[0, 0, 0] == 0 and session.scan.pixels[-1, -1, 0] == 255
+    session.close()
+
+    for name, image in (("gray8.png", Image.new("L", (32, 32), 90)), ("colour.png", Image.new("RGB", (32, 32)))):
+        _, preset, center, width, _, session = _upload_picture(handlers, upload_folder, name, image)
+        assert not (preset.visible or center.visible or width.visible), name
+        session.close()

@@ -26,7 +26,16 @@ from .windowing import (
     _default_window,
     _Frame,
     _to_rgb8,
+    _value_range,
 )
+
+
+# The smallest side accepted, in pixels. Nothing under it can show anatomy: the smallest real scans
+# (nuclear medicine, MR spectroscopic maps) are 32 to 64 pixels a side, while the vision encoder
+# pads a 3000 × 1 strip to a square of background with one line across it and blows a 4 × 4
+# thumbnail up to its input (224 pixels a side or more), and the model would answer about either
+# as if it were a scan. Eight keeps every real modality in, with room to spare.
+MIN_SIDE = 8
 
 
 @dataclass
@@ -82,8 +91,10 @@ class ScanSource:
         self._load_frame = load_frame
         self._forget = forget
         self._held = held
-        # Decode the default frame now, so that a damaged upload is refused when it is opened.
-        self.default_window = _default_window(self._load_frame(self.default_frame))
+        # Decode the default frame now, so that a damaged or degenerate upload is refused when it is opened.
+        default = self._checked_frame(self.default_frame, opening=True)
+        self.default_window = _default_window(default)
+        self.value_range = _value_range(default)  # (lowest, highest) grey value of the default frame, or None
 
     def forget_decoded(self) -> None:
         """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""
@@ -104,11 +115,22 @@ class ScanSource:
 
     def _render(self, window: Window | str | None, frame: int | None) -> Scan:
         index = self.default_frame if frame is None else _check_frame(frame, self.frame_count)
-        decoded = self._load_frame(index)
+        decoded = self._checked_frame(index)
         window = self._resolve_window(window, decoded)
         pixels = _to_rgb8(decoded, window)  # (H, W, 3) uint8
         return Scan(pixels=pixels, window=window, frame_index=index, frame_count=self.frame_count,
                     safe_meta=dict(self.safe_meta), source_format=self.source_format)
+
+    def _checked_frame(self, index: int, opening: bool = False) -> _Frame:
+        """Frame `index` decoded, refused if too small to show anything: every format passes here when
+        it is opened, and every frame before it is shown (a TIFF's pages may differ in size)."""
+        decoded = self._load_frame(index)
+        rows, columns = decoded.values.shape[:2]
+        if min(rows, columns) < MIN_SIDE:
+            what = "This image" if opening or self.frame_count == 1 else f"Frame {index + 1} of this image"
+            raise _TooSmall(f"{what} is {columns}×{rows} pixels, too small to read; the smallest accepted "
+                            f"is {MIN_SIDE} pixels on each side.")
+        return decoded
 
     def _resolve_window(self, window: Window | str | None, decoded: _Frame) -> Window | None:
         if isinstance(window, str):
@@ -128,6 +150,10 @@ class ScanSource:
     def __repr__(self) -> str:
         return (f"ScanSource({self.source_format}, frames={self.frame_count}, "
                 f"default_window={self.default_window}, safe_meta={self.safe_meta})")
+
+
+class _TooSmall(ScanError):
+    """An image under MIN_SIDE pixels a side (a study notes such files apart from damaged ones)."""
 
 
 def parse_window(text: str) -> Window | str:

@@ -28,7 +28,7 @@ from .archive import _read_files
 from .dicom import _NoImage, _open_dicom_placed, _Placement
 from .guard import ScanError, _run_public
 from .picture import _open_picture
-from .scan import Scan, ScanLimits, ScanSource, _check_frame
+from .scan import MIN_SIDE, Scan, ScanLimits, ScanSource, _check_frame, _TooSmall
 from .upload import _sniff_format
 from .windowing import Window
 
@@ -47,7 +47,7 @@ class _Slice:
 
 class Series:
     """The slices of one series in display order. Offers ScanSource's interface (render, frame_count,
-    default_frame, default_window, safe_meta), a frame being a slice."""
+    default_frame, default_window, value_range, safe_meta), a frame being a slice."""
 
     def __init__(self, number: int, slices: list[_Slice], positions_mm: list[float | None], warnings: list[str]):
         self.number = number  # 1, 2, ... in the order the study lists them: never a UID
@@ -62,6 +62,7 @@ class Series:
         self.frame_count = len(slices)
         self.default_frame = len(slices) // 2
         self.default_window = middle.default_window  # one window for the whole series while scrolling
+        self.value_range = middle.value_range
         self._shown: ScanSource | None = None
 
     def render(self, window: Window | str | None = None, frame: int | None = None) -> Scan:
@@ -147,6 +148,9 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
                 source, placement = _open_dicom_placed(raw, limits)
             except _NoImage as error:
                 skipped[f"{error.what} (no image)"] += 1
+                continue
+            except _TooSmall:
+                skipped[f"an image under {MIN_SIDE} pixels a side, too small to read"] += 1
                 continue
             except ScanError:
                 skipped["a DICOM file that could not be read"] += 1

@@ -130,6 +130,18 @@ def _default_window(decoded: _Frame) -> Window | None:
     return _auto_window(decoded.values)
 
 
+def _value_range(decoded: _Frame) -> tuple[float, float] | None:
+    """A grey frame's lowest and highest finite value (None for colour, or where none is finite)."""
+    if decoded.is_color:
+        return None
+    values = decoded.values
+    if not np.issubdtype(values.dtype, np.integer):
+        values = values[np.isfinite(values)]
+        if values.size == 0:
+            return None
+    return float(values.min()), float(values.max())
+
+
 def _auto_window(values: np.ndarray) -> Window:
     """A window over the 0.5-99.5 percentile range: robust to a few hot or dead pixels."""
     # A window needs only the shape of the histogram: a strided sample of at most ~1 M values

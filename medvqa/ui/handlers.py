@@ -18,7 +18,7 @@ from typing import Iterator
 import gradio as gr
 
 from ..config import Settings
-from ..imaging import ScanError, ScanLimits, Window, open_scan, open_study
+from ..imaging import WINDOW_PRESETS, ScanError, ScanLimits, Window, open_scan, open_study
 from ..imaging.archive import is_zip
 from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
@@ -28,8 +28,8 @@ from .render import _error_html, _error_message, _escape_model_text, _render_ans
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
-from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _slider_ranges, _study_notes,
-                     _viewer_html)
+from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _study_notes, _viewer_html,
+                     _window_controls)
 
 log = logging.getLogger(__name__)
 
@@ -109,26 +109,33 @@ class _Handlers:
         return self._render(session, window, None)
 
     def set_preset(self, preset: str, frame: float, session: _Session | None):
-        """A window preset from the dropdown; "custom" only means the sliders are in charge."""
+        """A window preset from the dropdown; "custom" only means the sliders are in charge. The CT
+        presets are for DICOM only: a picture's values are in no unit (see viewer._PICTURE_PRESET_LABELS)."""
         if preset == "custom":
             return self.viewer_unchanged(session)
+        if session is not None and preset in WINDOW_PRESETS and not session.source.is_dicom:
+            return self.viewer_unchanged(session, _error_message(
+                f"The {preset.replace('_', ' ')} window is a CT window in Hounsfield units, which a "
+                f"{session.source.source_format.upper()} image does not have. Choose the automatic window, or "
+                "set the centre and width."))
         return self._render(session, preset, frame)
 
     def set_window(self, center: float, width: float, frame: float, session: _Session | None):
         """A window set with the centre and width sliders, or typed in their boxes: a value beyond a
         slider's range is brought to its nearest end, as a drag would be (the page sends the values
         unchecked, so that a typed value out of range never puts the page in an error state)."""
+        if session is None:
+            return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
         try:
             center, width = float(center), float(width)
             if not (math.isfinite(center) and math.isfinite(width)):
                 raise ValueError("not finite")
         except (TypeError, ValueError):
             return self.viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
-        if session is not None:
-            default = session.source.default_window or session.scan.window or Window(40, 400, "none")
-            (low, high), width_max = _slider_ranges(default, session.scan.window or default)
-            center, width = min(max(center, low), high), min(max(width, 1.0), width_max)
-        return self._render(session, Window(center, width, "user"), frame)
+        offered = _window_controls(session.source, session.scan)
+        (lowest, highest), (narrowest, widest) = offered.center_range, offered.width_range
+        center, width = min(max(center, lowest), highest), min(max(width, narrowest), widest)
+        return self._render(session, Window(center, width, "user", offered.user_function), frame)
 
     def set_frame(self, frame: float, session: _Session | None):
         """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far; a
@@ -168,16 +175,18 @@ class _Handlers:
         """The viewer and its controls for the session's scan. After a move of the slider its value is
         left as the user set it: sent back, it would undo key presses made while the slice rendered."""
         scan, source = session.scan, session.source
-        windowed = source.is_dicom and scan.window is not None
         outputs = [_viewer_html(scan)]
         if controls:
             window = scan.window or Window(40, 400, "none")
-            center_range, width_max = _slider_ranges(source.default_window or window, window)
+            offered = _window_controls(source, scan)
+            windowed = bool(offered.presets)
+            (lowest, highest), (narrowest, widest) = offered.center_range, offered.width_range
             outputs += [
-                gr.Dropdown(choices=_PRESET_LABELS, value=_preset_value(window), visible=windowed),
-                gr.Slider(minimum=center_range[0], maximum=center_range[1], value=round(window.center, 3),
+                gr.Dropdown(choices=offered.presets or _PRESET_LABELS, value=_preset_value(window), visible=windowed),
+                gr.Slider(minimum=lowest, maximum=highest, step=offered.step, value=offered.rounded(window.center),
                           visible=windowed),
-                gr.Slider(minimum=1, maximum=width_max, value=round(window.width, 3), visible=windowed),
+                gr.Slider(minimum=narrowest, maximum=widest, step=offered.step, value=offered.rounded(window.width),
+                          visible=windowed),
                 gr.skip() if slider_moved else
                 gr.Slider(minimum=1, maximum=max(source.frame_count, 2), value=scan.frame_index + 1,
                           visible=source.frame_count > 1,

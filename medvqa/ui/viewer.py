@@ -8,11 +8,13 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
-from ..imaging import WINDOW_PRESETS, Scan, Study, Window
+from ..imaging import WINDOW_PRESETS, Scan, ScanSource, Series, Study, Window
 
 DISPLAY_MAX_SIDE = 1024  # the viewer shows at most this many pixels a side (the model gets all of them)
 
@@ -21,6 +23,9 @@ _EMPTY_VIEWER = '<div class="medvqa-viewer medvqa-empty"><p>No scan loaded.</p><
 _PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", "auto")] + [
     (f"{name.replace('_', ' ').capitalize()} (C {w.center:g} / W {w.width:g})", name)
     for name, w in WINDOW_PRESETS.items()] + [("Custom (sliders)", "custom")]
+# A picture's values (a 16-bit PNG, a float TIFF) pass no modality LUT, so they are not Hounsfield
+# units and a CT preset would window them arbitrarily; nor does the file carry a window of its own.
+_PICTURE_PRESET_LABELS = [("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
 
 
 def _viewer_html(scan: Scan) -> str:
@@ -74,8 +79,48 @@ def _preset_value(window: Window) -> str:
     return window.name if window.name in WINDOW_PRESETS else "custom"
 
 
-def _slider_ranges(default: Window, current: Window) -> tuple[tuple[float, float], float]:
-    """Centre range covering the CT presets and a generous span around the file's window."""
-    low = min(-1100.0, default.center - 2 * default.width, current.center)
-    high = max(3000.0, default.center + 2 * default.width, current.center)
-    return (float(np.floor(low)), float(np.ceil(high))), float(np.ceil(max(4000.0, 4 * default.width, current.width)))
+@dataclass(frozen=True)
+class _WindowControls:
+    """What the window preset dropdown and the centre and width sliders offer for a scan."""
+
+    presets: list[tuple[str, str]]  # the dropdown's (label, value) entries; empty: the controls are hidden
+    center_range: tuple[float, float]
+    width_range: tuple[float, float]
+    step: float  # of both sliders
+    user_function: str  # the VOI LUT function of a window set with the sliders
+
+    def rounded(self, value: float) -> float:
+        """A slider's value, to a few more decimals than its step shows."""
+        return round(float(value), max(3, 2 - math.floor(math.log10(self.step))))
+
+
+def _window_controls(source: ScanSource | Series, scan: Scan) -> _WindowControls:
+    """The window controls for `scan`: none for colour and 8-bit grey, shown as stored; a DICOM's
+    presets and sliders over the CT presets and around its own window; and for a picture deeper than
+    8 bits (16-bit PNG, 16-bit or float TIFF, rendered through a window), its automatic window and
+    sliders over its own values."""
+    current = scan.window or Window(40, 400, "none")
+    if source.is_dicom or source.value_range is None:
+        presets = _PRESET_LABELS if scan.window is not None and source.is_dicom else []
+        default = source.default_window or current
+        low = min(-1100.0, default.center - 2 * default.width, current.center)
+        high = max(3000.0, default.center + 2 * default.width, current.center)
+        widest = float(np.ceil(max(4000.0, 4 * default.width, current.width)))
+        return _WindowControls(presets, (float(np.floor(low)), float(np.ceil(high))), (1.0, widest), 1.0, "LINEAR")
+    shown_as_stored = source.default_window is None or source.default_window.name == "none"
+    lowest, highest = source.value_range
+    span = highest - lowest
+    # Whole steps over a hundred values or more, finer ones below (a float image's may span less than one).
+    step = 1.0 if span >= 100 or span == 0 else 10.0 ** math.floor(math.log10(span / 100))
+    low, high = min(lowest, current.center), max(highest, current.center, lowest + step)
+    widest = max(span, current.width, 2 * step)
+    # LINEAR_EXACT, as the automatic window: centre ± width / 2 is mapped onto black to white, and a
+    # window narrower than one unit is allowed (DICOM's LINEAR needs a width of at least 1).
+    return _WindowControls([] if shown_as_stored else _PICTURE_PRESET_LABELS,
+                           (_on_step(low, step, math.floor), _on_step(high, step, math.ceil)),
+                           (step, _on_step(widest, step, math.ceil)), step, "LINEAR_EXACT")
+
+
+def _on_step(value: float, step: float, rounding) -> float:
+    """`value` rounded (math.floor or math.ceil) to a whole number of steps, without float noise."""
+    return round(rounding(value / step) * step, 12)
