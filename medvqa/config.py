@@ -178,6 +178,10 @@ class DecoderConfig:
     # rules as system message) or "mistral_instruct" (LLaVA-Med v1.5's, rendered as its reference does).
     conversation_format: Literal["chat_template", "mistral_instruct"] = "chat_template"
     warm_next_turn: bool = True  # after an answer, prefill the start of the next turn while the user reads
+    # How many earlier turns of the conversation the prompt carries: -1 all of them (the reference's
+    # conversation), 0 none (each question asked on its own, as every README figure is measured), N the last N.
+    # Measured by scripts/evaluate_turns.py.
+    history_turns: int = -1
 
 
 @dataclass
@@ -282,6 +286,12 @@ def _offline_profile(cache_dir: str) -> Settings:
                               yes_bias=0.0,
                               # Measured on the held-out SLAKE images (docs/encoder.md).
                               presupposed_closed=True,
+                              # Each question asked on its own: on the held-out SLAKE training images, asked
+                              # one after another about their image (up to 10 a conversation), open recall
+                              # fell from 57.5 % alone to 49.0 % with every earlier turn in the prompt and
+                              # 51.1 % with the last one; closed answers moved within noise (66.1, 66.9,
+                              # 67.8 %); scripts/evaluate_turns.py, docs/evaluation.md.
+                              history_turns=0,
                               calibration=str(REPO_ROOT / "weights" / "offline" / "calibration.json"),
                               # The answer head as a second reader of the decoder's yes/no answers (which the
                               # decoder still gives): on the held-out training images, out of fold, the app

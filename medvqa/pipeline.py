@@ -296,6 +296,14 @@ class Pipeline(ClosedQuestions):
 
     # --- answering -------------------------------------------------------------------------------
 
+    def _history(self, conversation: Conversation) -> list:
+        """The earlier turns the prompt carries (decoder.history_turns: -1 all, 0 none, N the last N). The
+        conversation keeps them all: the transcript and a later change of the setting see every turn."""
+        keep, turns = self.settings.decoder.history_turns, list(conversation.history)
+        if keep < 0:
+            return turns
+        return turns[-keep:] if keep else []
+
     def ask(self, conversation: Conversation, question: str, **options) -> Iterator[Sources | Token | Done]:
         """Answer `question` about the conversation's image, streaming; history is updated at the end.
         Options: use_retrieval (True), safe_meta, max_new_tokens, constrained (closed questions scored
@@ -359,7 +367,7 @@ class Pipeline(ClosedQuestions):
             yield sources(question)
 
         prompt_passages = passages if in_prompt else []
-        prompt = self.prompts.build(question, conversation.history, prompt_passages, self._prompt_window(conversation))
+        prompt = self.prompts.build(question, self._history(conversation), prompt_passages, self._prompt_window(conversation))
         if prompt_passages:
             passages = passages[:len(passages) - prompt.dropped_passages]
             prompt_passages = passages
@@ -372,7 +380,7 @@ class Pipeline(ClosedQuestions):
             # Closed question: the best of the options it names (structured output), no free text.
             if presupposed:
                 # Through the open question it presupposes: "Yes" when the value it names is the best.
-                open_prompt = self.prompts.build(presupposed.question, conversation.history, prompt_passages,
+                open_prompt = self.prompts.build(presupposed.question, self._history(conversation), prompt_passages,
                                                  self._prompt_window(conversation))
                 request = self._request(conversation.image, open_prompt, conversation.digest, conversation.id)
             choice, scores = self._closed_scores(route, request, question, candidates, presupposed,
@@ -478,14 +486,14 @@ class Pipeline(ClosedQuestions):
             return 0  # far too long to ask (the question will say so): not worth tokenising per keystroke
         if draft and not self.passages_in_prompt(draft):
             try:
-                prompt = self.prompts.build(draft, conversation.history, (), window)
+                prompt = self.prompts.build(draft, self._history(conversation), (), window)
             except ValueError:
                 return 0  # too long to ask: the question will say so
             length = len(prompt) - 1  # the question's last token runs when it is asked, for the logits
         else:
             # Two prompts that differ only in the question share exactly the question-independent part.
-            prompt = self.prompts.build("a", conversation.history, (), window)
-            length = shared_prefix(prompt.token_ids, self.prompts.build("b", conversation.history, (), window).token_ids)
+            prompt = self.prompts.build("a", self._history(conversation), (), window)
+            length = shared_prefix(prompt.token_ids, self.prompts.build("b", self._history(conversation), (), window).token_ids)
         if prompt.dropped_turns or length <= 0:
             return 0  # the next prompt is cut differently anyway
         start = Prompt(prompt.token_ids[:length], prompt.image_mask[:length])

@@ -251,3 +251,26 @@ def test_a_kept_closed_row_answered_along_another_route_is_answered_again(tiny_p
         assert not evaluate.rerouted({"closed_kind": YES_NO}, healthy, tiny_pipeline)
     finally:
         decoder.presupposed_closed = before
+
+
+def test_evaluate_turns_asks_each_images_questions_in_one_conversation(tmp_path, tiny_cache, monkeypatch, capsys):
+    """scripts/evaluate_turns.py: each image's questions asked in turn in one conversation against each asked
+    alone. The first question of a conversation is the same either way; with --history-turns 0 every one is."""
+    data = jsonl_bench(tmp_path / "bench", 2, 60, lambda i: [
+        {"question": "Is there an effusion?", "answer": "yes" if i % 2 else "no", "answer_type": "CLOSED"},
+        {"question": "What organ is shown?", "answer": "lung", "answer_type": "OPEN"},
+        {"question": "Where is the lesion?", "answer": "left lung", "answer_type": "OPEN"}])
+    monkeypatch.setenv("MEDVQA_CACHE", str(tiny_cache))
+    script = load_script("evaluate_turns")
+    base = ["--profile", "tiny", "--dataset", "jsonl", "--data", str(data), "--split", "test",
+            "--run-dir", str(tmp_path / "runs")]
+    assert script.main(base + ["--history-turns", "-1", "--json", str(tmp_path / "all.json")]) == 0
+    summary = json.loads((tmp_path / "all.json").read_text())
+    assert summary["history_turns"] == -1 and summary["all"]["n_closed"] == 2 and summary["all"]["n_open"] == 4
+    assert summary["1st"]["changed"] == 0 and summary["open_questions"] == 4
+    rows = [json.loads(line) for path in (tmp_path / "runs").glob("turns-*-h-1-*.jsonl")
+            for line in path.read_text().splitlines()]
+    assert sorted(row["place"] for row in rows) == [1, 1, 2, 2, 3, 3]
+    assert script.main(base + ["--history-turns", "0", "--json", str(tmp_path / "none.json")]) == 0
+    none = json.loads((tmp_path / "none.json").read_text())
+    assert none["all"]["changed"] == 0 and none["history_turns"] == 0

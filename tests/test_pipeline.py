@@ -51,6 +51,27 @@ def test_second_turn_reuses_image_and_prefix_with_identical_answer(tiny_pipeline
     assert again.answer == second.answer
 
 
+def test_history_turns_sets_how_many_earlier_turns_the_prompt_carries(tiny_pipeline, monkeypatch):
+    """decoder.history_turns: -1 every earlier turn (the default), 0 none (the question as if asked first),
+    N the last N; the conversation keeps every turn either way."""
+    conversation = Conversation(image=_image(4))
+    for question in ("Is there an effusion?", "Is the heart enlarged?", "Which side?"):
+        list(tiny_pipeline.ask(conversation, question, max_new_tokens=3, constrained=False, warm=False))
+
+    def prompt_questions(keep: int) -> list[str]:
+        monkeypatch.setattr(tiny_pipeline.settings.decoder, "history_turns", keep)
+        return [turn.question for turn in tiny_pipeline._history(conversation)]
+
+    assert prompt_questions(-1) == ["Is there an effusion?", "Is the heart enlarged?", "Which side?"]
+    assert prompt_questions(1) == ["Which side?"] and prompt_questions(5) == prompt_questions(-1)
+    assert prompt_questions(0) == [] and len(conversation.history) == 3
+    # With none, the next question's answer is the one it gets asked first.
+    done = list(tiny_pipeline.ask(conversation, "What organ is shown?", max_new_tokens=4, warm=False))[-1]
+    alone = list(tiny_pipeline.ask(Conversation(image=_image(4)), "What organ is shown?", max_new_tokens=4,
+                                   warm=False))[-1]
+    assert done.answer == alone.answer and len(conversation.history) == 4
+
+
 def test_warming_leaves_only_the_next_question_to_prefill(tiny_pipeline):
     """After an answer the pipeline caches the start of the next turn; the next answer is unchanged
     and its prefill covers little more than the question's own tokens."""

@@ -24,3 +24,15 @@ def test_app_refuses_half_a_login(monkeypatch, capsys):
     monkeypatch.delenv("MEDVQA_PASSWORD", raising=False)
     assert app.main(["--profile", "tiny"]) == 2
     assert "MEDVQA_PASSWORD" in capsys.readouterr().err
+
+
+def test_the_line_under_the_chat_says_when_each_question_is_answered_on_its_own(tiny_pipeline, monkeypatch):
+    """decoder.history_turns 0 (the offline profile's): the page says the model does not read earlier turns."""
+    from medvqa.config import load_settings
+    from medvqa.ui.layout import footer_text
+
+    assert load_settings("offline").decoder.history_turns == 0 and load_settings("llava-med").decoder.history_turns == -1
+    assert "answered on its own" not in footer_text(tiny_pipeline, tiny_pipeline.settings)
+    monkeypatch.setattr(tiny_pipeline.settings.decoder, "history_turns", 0)
+    assert "each question is answered on its own (the model does not read the earlier turns), so ask each in full" \
+        in footer_text(tiny_pipeline, tiny_pipeline.settings)

@@ -47,8 +47,9 @@ _CSS = """
 
 
 def footer_text(pipeline, settings) -> str:
-    """The line under the chat: the profile, whether literature is retrieved, and who answers yes/no or
-    open questions when it is not the language model (decoder.closed_answerer, decoder.open_answerer)."""
+    """The line under the chat: the profile, whether literature is retrieved, who answers yes/no or open
+    questions when it is not the language model (decoder.closed_answerer, decoder.open_answerer), and that
+    each question is answered on its own where the prompt carries no earlier turn (decoder.history_turns)."""
     retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
                  else "off — answers are not grounded in literature")
     kinds = [kind for kind, used in (("yes/no questions", getattr(pipeline, "head_closes", False)),
@@ -56,7 +57,9 @@ def footer_text(pipeline, settings) -> str:
              if used]
     answerer = (f" · {' and '.join(kinds)} are answered by the image encoder's own answer head, not the language "
                 "model" if kinds else "")
-    return f"Profile `{settings.profile}` · literature retrieval {retrieval}{answerer}."
+    alone = (" · each question is answered on its own (the model does not read the earlier turns), so ask each in "
+             "full" if settings.decoder.history_turns == 0 else "")
+    return f"Profile `{settings.profile}` · literature retrieval {retrieval}{answerer}{alone}."
 
 
 def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_mb: float = 100,
