@@ -53,6 +53,11 @@ def test_rgb_rgba_palette_jpeg_and_tiff():
     scan = load_scan(encode(Image.fromarray(rgb), "PNG"))
     assert scan.window is None and scan.describe_window() == "no window (colour image shown as stored)"
     np.testing.assert_array_equal(scan.pixels, rgb)
+    # A grey radiograph saved as an RGB JPEG (its channels alike but for compression) is said to be grey.
+    ramp = np.repeat(np.linspace(0, 255, 64, dtype=np.uint8)[None, :], 64, axis=0)
+    grey_rgb = load_scan(encode(Image.fromarray(np.dstack([ramp] * 3)), "JPEG"))
+    assert grey_rgb.window is None and grey_rgb.grey_in_colour
+    assert grey_rgb.describe_window() == "no window (grey image stored as colour, shown as stored)"
 
     rgba = np.dstack([rgb, np.full((8, 8), 255, np.uint8)])
     rgba[:4, :, 3] = 0  # transparent half is shown black, as on a viewer's background

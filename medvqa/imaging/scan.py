@@ -64,10 +64,12 @@ class Scan:
     source_format: str  # "dicom" | "png" | "jpeg" | "tiff"
     series: int | None = None  # a slice of a series (series.py): the series' number in its upload, from 1
     position_mm: float | None = None  # and the slice's position along the slice normal, where the files give it
+    grey_in_colour: bool = False  # stored as colour (RGB) but grey throughout, as radiographs often are as JPEG
 
     def describe_window(self) -> str:
         if self.window is None:
-            return "no window (colour image shown as stored)"
+            return ("no window (grey image stored as colour, shown as stored)" if self.grey_in_colour
+                    else "no window (colour image shown as stored)")
         return self.window.describe()
 
     def __repr__(self) -> str:
@@ -119,7 +121,8 @@ class ScanSource:
         window = self._resolve_window(window, decoded)
         pixels = _to_rgb8(decoded, window)  # (H, W, 3) uint8
         return Scan(pixels=pixels, window=window, frame_index=index, frame_count=self.frame_count,
-                    safe_meta=dict(self.safe_meta), source_format=self.source_format)
+                    safe_meta=dict(self.safe_meta), source_format=self.source_format,
+                    grey_in_colour=window is None and _grey_throughout(pixels))
 
     def _checked_frame(self, index: int, opening: bool = False) -> _Frame:
         """Frame `index` decoded, refused if too small to show anything: every format passes here when
@@ -150,6 +153,19 @@ class ScanSource:
     def __repr__(self) -> str:
         return (f"ScanSource({self.source_format}, frames={self.frame_count}, "
                 f"default_window={self.default_window}, safe_meta={self.safe_meta})")
+
+
+# Mean difference between the channels (summed over R-G and G-B, on 0..255) below which an RGB image is
+# grey: a grey radiograph saved as an RGB JPEG differs by a level or two where chroma was compressed.
+GREY_DIFFERENCE = 4.0
+
+
+def _grey_throughout(pixels: np.ndarray) -> bool:
+    """Whether RGB `pixels` are grey (their channels alike), judged on at most about 65,000 of them."""
+    step = max(1, int(np.sqrt(pixels.shape[0] * pixels.shape[1] / 65536)))
+    sample = pixels[::step, ::step, :3].astype(np.int16)
+    difference = np.abs(sample[..., 0] - sample[..., 1]).mean() + np.abs(sample[..., 1] - sample[..., 2]).mean()
+    return bool(difference < GREY_DIFFERENCE)
 
 
 class _TooSmall(ScanError):
