@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import threading
 import warnings
 from typing import Callable
@@ -81,6 +82,14 @@ def _quiet_libraries():
 _INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
+def _bomb_message(error: BaseException) -> str:
+    """What an image declaring more pixels than Pillow will decode is told: how many it declares, which
+    Pillow's message gives as a number ("Image size (900000000 pixels) exceeds limit of ...")."""
+    declared = re.search(r"\((\d+) pixels\)", str(error))
+    size = f"it declares {int(declared.group(1)) / 1e6:,.0f} million pixels" if declared else "it declares too many pixels"
+    return f"This image is too large to open safely ({size})."
+
+
 def _guarded(message: str, function: Callable, *args, **kwargs):
     """Call a library on untrusted data; any failure becomes ScanError(message). The original
     exception is neither chained nor logged in full, as its text may quote the file."""
@@ -88,10 +97,8 @@ def _guarded(message: str, function: Callable, *args, **kwargs):
         return function(*args, **kwargs)
     except ScanError:
         raise
-    except Image.DecompressionBombError:
-        failure = "This image is too large to open safely (it declares more pixels than allowed)."
-    except Image.DecompressionBombWarning:
-        failure = "This image is too large to open safely (it declares more pixels than allowed)."
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        failure = _bomb_message(error)
     except MemoryError:
         failure = "This image is too large to open with the memory available."
     except _INTERRUPTS:
