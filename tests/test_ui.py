@@ -151,6 +151,10 @@ def test_16_bit_png_upload_is_windowed_over_its_own_values(app_url, tmp_path):
         c.predict("lung", 1, api_name="/set_preset")
     upload(c, dicom_file("CT_small.dcm"))
     assert "lung window" in c.predict("lung", 1, api_name="/set_preset")[0]
+    # An MR is a DICOM in no Hounsfield units either: its own window, the automatic one and the sliders.
+    shown = upload(c, dicom_file("MR_small.dcm"))
+    assert shown["meta"]["Modality"] == "MR" and shown["preset"]["visible"]
+    assert [value for _, value in shown["preset"]["choices"]] == ["file", "auto", "custom"]
 
 
 def test_two_concurrent_sessions_see_only_their_own_scan_and_chat(app_url):

@@ -28,8 +28,8 @@ from .render import _error_html, _error_message, _escape_model_text, _render_ans
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
-from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _study_notes, _viewer_html,
-                     _window_controls)
+from .viewer import (_PRESET_LABELS, _in_hounsfield_units, _preset_value, _scan_meta, _series_choices, _study_notes,
+                     _viewer_html, _window_controls)
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +113,12 @@ class _Handlers:
         presets are for DICOM only: a picture's values are in no unit (see viewer._PICTURE_PRESET_LABELS)."""
         if preset == "custom":
             return self.viewer_unchanged(session)
-        if session is not None and preset in WINDOW_PRESETS and not session.source.is_dicom:
+        if session is not None and preset in WINDOW_PRESETS and not _in_hounsfield_units(session.source):
+            kind = (f"{session.source.safe_meta.get('Modality') or 'non-CT'} DICOM" if session.source.is_dicom
+                    else session.source.source_format.upper())
             return self.viewer_unchanged(session, _error_message(
                 f"The {preset.replace('_', ' ')} window is a CT window in Hounsfield units, which a "
-                f"{session.source.source_format.upper()} image does not have. Choose the automatic window, or "
-                "set the centre and width."))
+                f"{kind} image does not have. Choose the automatic window, or set the centre and width."))
         return self._render(session, preset, frame)
 
     def set_window(self, center: float, width: float, frame: float, session: _Session | None):

@@ -26,6 +26,14 @@ _PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", "auto")
 # A picture's values (a 16-bit PNG, a float TIFF) pass no modality LUT, so they are not Hounsfield
 # units and a CT preset would window them arbitrarily; nor does the file carry a window of its own.
 _PICTURE_PRESET_LABELS = [("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
+# A DICOM of another modality than CT (MR, X-ray, ultrasound...) is in no Hounsfield units either: its own
+# window, the automatic one and the sliders.
+_NON_CT_PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
+
+
+def _in_hounsfield_units(source) -> bool:
+    """Whether the CT presets mean anything for `source`: a CT's values, after its rescale, are HU."""
+    return source.is_dicom and source.safe_meta.get("Modality", "").upper() == "CT"
 
 
 def _viewer_html(scan: Scan) -> str:
@@ -96,12 +104,13 @@ class _WindowControls:
 
 def _window_controls(source: ScanSource | Series, scan: Scan) -> _WindowControls:
     """The window controls for `scan`: none for colour and 8-bit grey, shown as stored; a DICOM's
-    presets and sliders over the CT presets and around its own window; and for a picture deeper than
+    presets (the CT ones for a CT only) and sliders over the CT presets and around its own window; and for a picture deeper than
     8 bits (16-bit PNG, 16-bit or float TIFF, rendered through a window), its automatic window and
     sliders over its own values."""
     current = scan.window or Window(40, 400, "none")
     if source.is_dicom or source.value_range is None:
-        presets = _PRESET_LABELS if scan.window is not None and source.is_dicom else []
+        presets = ((_PRESET_LABELS if _in_hounsfield_units(source) else _NON_CT_PRESET_LABELS)
+                   if scan.window is not None and source.is_dicom else [])
         default = source.default_window or current
         low = min(-1100.0, default.center - 2 * default.width, current.center)
         high = max(3000.0, default.center + 2 * default.width, current.center)
