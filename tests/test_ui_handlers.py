@@ -269,3 +269,29 @@ def test_a_16_bit_png_gets_window_controls_over_its_own_values_and_the_model_see
         _, preset, center, width, _, session = _upload_picture(handlers, upload_folder, name, image)
         assert not (preset.visible or center.visible or width.visible), name
         session.close()
+
+
+def test_a_new_scan_says_the_previous_conversation_is_closed(ui_pipeline, upload_folder):
+    """Opening another scan starts a new conversation; where the previous one had answers, the new chat
+    says it is gone and how to keep one (export first). A first upload's chat is empty."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+
+    def opened(name: str, session):
+        folder = upload_folder / f"closed-{len(list(upload_folder.iterdir()))}"
+        folder.mkdir()
+        *_, chat, session = handlers.upload({"path": str(shutil.copy(dicom_file(name), folder / name))}, session)
+        return chat, session
+
+    chat, session = opened("CT_small.dcm", None)
+    assert chat == []
+    list(handlers.ask("Is there a pleural effusion?", session))
+    chat, session = opened("MR_small.dcm", session)
+    assert len(chat) == 1 and "the previous one (1 answer, about the other scan) is closed" in chat[0]["content"]
+    assert "export it before opening another scan" in chat[0]["content"] and session.turns == []
+    chat, session = opened("CT_small.dcm", session)
+    assert chat == []  # nothing was asked about the MR
+    session.close()

@@ -73,12 +73,19 @@ class _Handlers:
         """A newly opened scan or study replaces the tab's session: a new conversation about it.
         Raises ScanError when the scan alone needs more memory than the budget for decoded scans."""
         self.budget.check(scan.pixels.nbytes + source.decoded_bytes)
+        closed_turns = 0
         if session is not None:
             with session.lock:
                 session.generation += 1
+                closed_turns = len(session.turns)
             session.close()
         session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study,
                            budget=self.budget)
+        if closed_turns:  # said, so that a clinician who meant to keep it knows it is gone and how to keep one
+            session.messages.append({"role": "assistant", "content": _status(
+                f"A new scan starts a new conversation: the previous one ({closed_turns} "
+                f"answer{'s' if closed_turns > 1 else ''}, about the other scan) is closed and no longer kept. "
+                "To keep a conversation, export it before opening another scan.")})
         with self.budget.using(session):
             return self._viewer_update(session, controls=True)
 
