@@ -22,6 +22,11 @@ _YES_NO = {"yes", "no"}
 # VQA-RAD train are all closed.
 _YES_NO_STARTERS = {"is", "are", "was", "were", "does", "do", "did", "can", "could", "has", "have", "had",
                     "will", "would", "should", "shall", "may", "might", "must", "any"}
+# ... and so does a finding followed by one of these words, with no question word anywhere ("Pleural effusion
+# present?", "Fracture seen?"); no question of VQA-RAD or SLAKE train is worded so, so neither reading moves a
+# benchmark question (CLOSED_DECODING stays).
+_CLIPPED_YES_NO_ENDINGS = {"present", "seen", "visible", "noted", "evident", "identified"}
+_QUESTION_WORDS = {"what", "where", "which", "who", "whom", "whose", "why", "how", "when"}
 
 
 def normalise(text: str) -> str:
@@ -84,6 +89,8 @@ def closed_candidates(question: str) -> list[str] | None:
     if options:
         return options
     if lowered and lowered[0] in _YES_NO_STARTERS:
+        return ["Yes", "No"]
+    if len(lowered) > 1 and lowered[-1] in _CLIPPED_YES_NO_ENDINGS and not _QUESTION_WORDS & set(lowered):
         return ["Yes", "No"]
     return None
 

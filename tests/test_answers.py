@@ -29,6 +29,9 @@ def test_candidates_come_from_the_question():
     assert closed_candidates("Is there a pleural effusion?") == ["Yes", "No"]
     assert closed_candidates("Any pleural effusion?") == ["Yes", "No"]  # clipped, as clinicians type
     assert closed_candidates("Anything abnormal in this image?") is None
+    assert closed_candidates("Pleural effusion present?") == ["Yes", "No"]
+    assert closed_candidates("In which vessel is calcification present?") is None
+    assert closed_candidates("Present?") is None
     assert closed_candidates("What organ is shown?") is None
     assert normalise("  T2-weighted,  MRI! ") == "t2-weighted mri"
 
