@@ -157,6 +157,21 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
     assert page.inner_text("#medvqa-chat") == chat_before and page.locator("#medvqa-chat").is_visible()
     assert page.get_by_text("less than minimum value").count() == 0
 
+    # Enter applies a typed value as Tab does; a width typed straight after a centre is kept, not overwritten
+    # by the centre's answer coming back.
+    center.fill("60")
+    center.press("Enter")
+    page.wait_for_function("() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C 60 ')")
+    width = page.locator("#medvqa-width input[type=number]")
+    center.fill("70")
+    center.press("Tab")
+    width.fill("300")
+    width.press("Enter")
+    page.wait_for_function(
+        "() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C 70 / W 300)')")
+    page.wait_for_timeout(500)
+    assert (center.input_value(), width.input_value()) == ("70", "300")
+
 
 def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     """Enter in the question box asks (Shift+Enter would start a new line); an error that follows an answer

@@ -203,11 +203,21 @@ def test_window_and_frame_values_beyond_the_sliders_are_brought_within_them(ui_p
     assert f"C {center.minimum:g} " in viewer and width.value == 1 and not chat  # no error in the chat
     _, _, _, _, _, _, chat, session = handlers.set_window("nan", 400, 1, session)
     assert "must be numbers" in last_reply(chat)
+    # A value within range is not sent back: it would overwrite what the user types next in the other box.
+    import gradio as gr
+
+    viewer, preset, center, width, *_ = handlers.set_window(50, 300, 1, session)
+    assert "user window (C 50 / W 300)" in viewer and preset.value == "custom"
+    assert isinstance(center, type(gr.skip())) and isinstance(width, type(gr.skip()))
+    _, _, center, width, *_ = handlers.set_window(50, 0, 1, session)
+    assert isinstance(center, type(gr.skip())) and width.value == 1  # only the clamped one
     session.close()
 
     session = opened("rtdose.dcm")  # 15 frames
-    viewer, *_ = handlers.set_frame(99, session)
-    assert "frame 15 of 15" in viewer
+    viewer, _, _, _, frame, *_ = handlers.set_frame(99, session)
+    assert "frame 15 of 15" in viewer and frame.value == 15  # clamped: sent back
+    viewer, _, _, _, frame, *_ = handlers.set_frame(7, session)
+    assert "frame 7 of 15" in viewer and isinstance(frame, type(gr.skip()))  # as scrolled: left alone
     viewer, *_ = handlers.set_frame(-3, session)
     assert "frame 1 of 15" in viewer
     session.close()

@@ -142,8 +142,11 @@ class _Handlers:
             return self.viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
         offered = _window_controls(session.source, session.scan)
         (lowest, highest), (narrowest, widest) = offered.center_range, offered.width_range
-        center, width = min(max(center, lowest), highest), min(max(width, narrowest), widest)
-        return self._render(session, Window(center, width, "user", offered.user_function), frame)
+        within = min(max(center, lowest), highest), min(max(width, narrowest), widest)
+        # A value as the user typed it is not sent back (it would overwrite what they type next); a clamped one is.
+        kept = {name for name, typed, used in (("center", center, within[0]), ("width", width, within[1]))
+                if typed == used}
+        return self._render(session, Window(*within, "user", offered.user_function), frame, kept=kept)
 
     def set_frame(self, frame: float, session: _Session | None):
         """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far; a
@@ -157,11 +160,13 @@ class _Handlers:
         window = session.scan.window if session else None
         if window is not None and window.name in ("file", "file-lut"):
             window = None  # each frame with its own window from the file, as a viewer scrolls a stack
+        kept = {"frame"}
         if session is not None:
-            frame = min(max(round(frame), 1), session.source.frame_count)
-        return self._render(session, window, frame, slider_moved=True)
+            within = min(max(round(frame), 1), session.source.frame_count)
+            kept, frame = ({"frame"} if within == frame else set()), within
+        return self._render(session, window, frame, kept=kept)
 
-    def _render(self, session: _Session | None, window, frame, slider_moved: bool = False):
+    def _render(self, session: _Session | None, window, frame, kept: frozenset | set = frozenset()):
         """Render the session's scan anew; the model sees exactly what is shown from then on."""
         if session is None:
             return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
@@ -177,11 +182,12 @@ class _Handlers:
             with session.lock:
                 old = session.look_at(scan)
             self.pipeline.end_conversation(old)  # a warming that ran meanwhile ends it too (see warm)
-            return self._viewer_update(session, controls=True, slider_moved=slider_moved)
+            return self._viewer_update(session, controls=True, kept=kept)
 
-    def _viewer_update(self, session: _Session, controls: bool, slider_moved: bool = False):
-        """The viewer and its controls for the session's scan. After a move of the slider its value is
-        left as the user set it: sent back, it would undo key presses made while the slice rendered."""
+    def _viewer_update(self, session: _Session, controls: bool, kept: frozenset | set = frozenset()):
+        """The viewer and its controls for the session's scan. The values of the sliders in `kept` ("center",
+        "width", "frame": those the user has just set, as they set them) are left alone: sent back, they
+        would overwrite what the user types or scrolls while the scan renders."""
         scan, source = session.scan, session.source
         outputs = [_viewer_html(scan)]
         if controls:
@@ -191,11 +197,13 @@ class _Handlers:
             (lowest, highest), (narrowest, widest) = offered.center_range, offered.width_range
             outputs += [
                 gr.Dropdown(choices=offered.presets or _PRESET_LABELS, value=_preset_value(window), visible=windowed),
+                gr.skip() if "center" in kept else
                 gr.Slider(minimum=lowest, maximum=highest, step=offered.step, value=offered.rounded(window.center),
                           visible=windowed),
+                gr.skip() if "width" in kept else
                 gr.Slider(minimum=narrowest, maximum=widest, step=offered.step, value=offered.rounded(window.width),
                           visible=windowed),
-                gr.skip() if slider_moved else
+                gr.skip() if "frame" in kept else
                 gr.Slider(minimum=1, maximum=max(source.frame_count, 2), value=scan.frame_index + 1,
                           visible=source.frame_count > 1,
                           label=f"{'Frame' if scan.series is None else 'Slice'} (of {source.frame_count})"),

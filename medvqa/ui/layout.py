@@ -45,6 +45,21 @@ _CSS = """
 .medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
 """
 
+# Run when the page loads. A slider's number box reports its value when it loses focus (Gradio's "release");
+# Enter there leaves it, so that the value typed is applied as Tab would apply it.
+_PAGE_JS = """
+() => {
+  document.addEventListener("keydown", (event) => {
+    const box = event.target;
+    if (event.key === "Enter" && box instanceof HTMLInputElement && box.type === "number"
+        && box.closest("#medvqa-center, #medvqa-width, #medvqa-frame")) {
+      event.preventDefault();
+      box.blur();
+    }
+  });
+}
+"""
+
 
 def footer_text(pipeline, settings) -> str:
     """The line under the chat: the profile, whether literature is retrieved, who answers yes/no or open
@@ -233,7 +248,7 @@ def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860,
             prevent_thread_lock=not block, quiet=quiet, show_error=False, ssr_mode=False, pwa=False,
             mcp_server=False, enable_monitoring=False,
             run_history=False,  # would keep every question and answer in the browser's storage
-            footer_links=["api"], css=_CSS, app_kwargs={"middleware": middleware},
+            footer_links=["api"], css=_CSS, js=_PAGE_JS, app_kwargs={"middleware": middleware},
         )
     except BaseException:
         uploads.stop()  # it never served: no sweeper left behind
