@@ -397,24 +397,58 @@ def fit_platt(margins, correct, strength=None, *, iterations: int = 100, ridge: 
 
 
 RELIABILITY_BINS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# The fewest answers an out-of-fold bin the app quotes may hold (calibrate_*.py join smaller ones).
+MIN_BIN_ANSWERS = 30
 
 
-def reliability(confidences, correct, bins=RELIABILITY_BINS, split_at: float | None = None) -> list[dict]:
+def reliability(confidences, correct, bins=RELIABILITY_BINS, split_at: float | None = None,
+                min_count: int = 0) -> list[dict]:
     """Per confidence bin: how many answers, their mean confidence and how many were right. `split_at` (the
     abstention threshold) is made an edge too: the figure the app shows beside an answer (Calibration.held_out)
-    is then of answers on the same side of the threshold, never one bin for an answer given and one withheld."""
+    is then of answers on the same side of the threshold, never one bin for an answer given and one withheld.
+    With `min_count`, a bin of fewer answers is joined to its neighbour on the same side of the threshold,
+    away from it (a figure on a dozen answers says little); a side with fewer in all is one bin."""
     c = np.asarray(confidences, dtype=np.float64)
     y = np.asarray(correct, dtype=np.float64)
     if split_at is not None and bins[0] < split_at < bins[-1]:
         bins = tuple(sorted({*bins, round(float(split_at), 2)}))
+    spans = [(low, high) for low, high in zip(bins[:-1], bins[1:])]
+
+    def inside(low: float, high: float) -> np.ndarray:
+        return (c >= low) & ((c < high) | (high >= 1.0))
+
+    if min_count:
+        split = round(float(split_at), 2) if split_at is not None and bins[0] < split_at < bins[-1] else None
+        below = [span for span in spans if split is not None and span[1] <= split][::-1]  # outward from the split
+        above = [span for span in spans if split is None or span[0] >= split]
+        spans = sorted(_joined(below, inside, min_count) + _joined(above, inside, min_count))
     rows = []
-    for low, high in zip(bins[:-1], bins[1:]):
-        inside = (c >= low) & ((c < high) | (high >= 1.0))
-        if inside.any():
-            rows.append({"bin": f"{_edge(low)}-{_edge(high)}", "n": int(inside.sum()),
-                         "mean_confidence": round(float(c[inside].mean()), 4),
-                         "accuracy": round(float(y[inside].mean()), 4)})
+    for low, high in spans:
+        mask = inside(low, high)
+        if mask.any():
+            rows.append({"bin": f"{_edge(low)}-{_edge(high)}", "n": int(mask.sum()),
+                         "mean_confidence": round(float(c[mask].mean()), 4),
+                         "accuracy": round(float(y[mask].mean()), 4)})
     return rows
+
+
+def _joined(spans: list[tuple[float, float]], inside, min_count: int) -> list[tuple[float, float]]:
+    """`spans` (in order away from the threshold) joined until each holds `min_count` answers; a remainder
+    too small joins the last one made."""
+    joined, start, count = [], None, 0
+    for low, high in spans:
+        start = (low, high) if start is None else (min(start[0], low), max(start[1], high))
+        count += int(inside(low, high).sum())
+        if count >= min_count:
+            joined.append(start)
+            start, count = None, 0
+    if start is not None:
+        if joined and count:
+            last = joined.pop()
+            joined.append((min(last[0], start[0]), max(last[1], start[1])))
+        elif count or not joined:
+            joined.append(start)
+    return joined
 
 
 def leaning_text(verdict: Verdict, subject: str = "answers like this") -> str:

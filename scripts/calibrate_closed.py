@@ -69,8 +69,8 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import PROFILES, load_settings
-from medvqa.confidence import (AGREES, DISAGREES, HEAD, KINDS, NEVER, PRESUPPOSED, WORDED, WORDED_OTHERWISE, YES_NO,
-                               Calibration, fit_platt, image_group, reliability)
+from medvqa.confidence import (AGREES, DISAGREES, HEAD, KINDS, MIN_BIN_ANSWERS, NEVER, PRESUPPOSED, WORDED,
+                               WORDED_OTHERWISE, YES_NO, Calibration, fit_platt, image_group, reliability)
 
 MIN_PER_KIND = 40  # fewer questions of a kind than this: that kind gets the pooled fit
 MIN_PER_GROUP = 200  # fewer questions about an image group than this: its images get the pooled fit
@@ -260,7 +260,8 @@ def fit_groups(scores: dict, configured: float, target: float) -> dict[str, tupl
             "questions": int(mine.sum()), "images": distinct_images(part["image"].tolist()),
             "by_kind": kind_counts(part["kind"]),
             "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
-                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"]),
+                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"],
+                                                       min_count=MIN_BIN_ANSWERS),
                             "risk_coverage": risk_coverage(held, correct)},
             "threshold": threshold, "group": name}
         fitted[name] = (calibration, held)
@@ -602,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             "head_answers": sorted(settings.decoder.head_answers)} if head else {}),
         "reliability_in_sample": reliability(in_sample, correct),
         "out_of_fold": {"min_confidence": configured, **summary_at(held, correct, configured),
-                        "reliability": reliability(held, correct, split_at=pooled_threshold["min_confidence"]),
+                        "reliability": reliability(held, correct, split_at=pooled_threshold["min_confidence"],
+                                                   min_count=MIN_BIN_ANSWERS),
                         "risk_coverage": risk_coverage(held, correct)},
         "threshold": pooled_threshold,
         "group_sizes": {name: int((scores["group"] == name).sum()) for name in sorted(set(scores["group"].tolist()))},

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from medvqa.config import load_settings
-from medvqa.confidence import NEVER, OPEN_CHOICE, Calibration, fit_platt, reliability
+from medvqa.confidence import MIN_BIN_ANSWERS, NEVER, OPEN_CHOICE, Calibration, fit_platt, reliability
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate_closed import (FOLD_DRAWS, add_held_out_arguments, choose_threshold, folds_by_content,  # noqa: E402
@@ -159,7 +159,8 @@ def fitted_part(scores: dict, mask: np.ndarray, share: bool, target: float, name
             "reliability_in_sample": reliability(in_sample, correct),
             "out_of_fold": {**summary_at(held, correct, threshold["min_confidence"] or 1.0),
                             "log_loss": round(log_loss(held, correct), 4),
-                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"]),
+                            "reliability": reliability(held, correct, split_at=threshold["min_confidence"],
+                                                       min_count=MIN_BIN_ANSWERS),
                             "risk_coverage": risk_coverage(held, correct)},
             "threshold": threshold,
             "withheld_out_of_fold": {"n": int(withheld.sum()),

@@ -272,6 +272,12 @@ def test_the_reliability_table_is_split_at_the_threshold_so_given_and_withheld_a
     withheld, given = calibration.held_out(0.65), calibration.held_out(0.66)
     assert (withheld["bin"], withheld["accuracy"]) == ("0.6-0.66", 0.25)
     assert (given["bin"], given["n"]) == ("0.66-0.7", 3) and abs(given["accuracy"] - 2 / 3) < 1e-3
+    # Bins of fewer answers than min_count join their neighbour on the same side, away from the threshold;
+    # a side with fewer in all is one bin.
+    joined = reliability(confidence, correct, split_at=0.66, min_count=4)
+    assert [(row["bin"], row["n"]) for row in joined] == [("0.6-0.66", 4), ("0.66-0.8", 4)]
+    assert [(row["bin"], row["n"]) for row in reliability(confidence, correct, split_at=0.66, min_count=5)] == \
+        [("0.0-0.66", 4), ("0.66-1.0", 4)]
 
 
 def test_the_confidence_shown_is_the_out_of_fold_bins(tiny_pipeline, monkeypatch):

@@ -194,7 +194,7 @@ def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, su
                    "it states nothing a source could describe)</small>")
     else:
         heading = ("<b>Related literature</b> <small>(retrieved for your question and this answer; this model "
-                   "answers from the image alone)</small>")
+                   "does not read them: it answers from the image and the question)</small>")
     if not supported and not withheld:
         heading += " <small>No source describes what this answer states.</small>"
     if contradicted:
