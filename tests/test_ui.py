@@ -219,6 +219,11 @@ def test_corrupt_dicom_gives_a_message(app_url, tmp_path):
     shown = upload(c, corrupt)
     reply = last_reply(shown["chat"])
     assert "medvqa-error" in reply and "The scan could not be opened" in reply and "damaged" in reply
+    assert "still open" not in reply  # no scan was open
+    # With a scan open, the message says it still is, and the questions go on about it.
+    upload(c, dicom_file("CT_small.dcm"))
+    reply = last_reply(upload(c, corrupt)["chat"])
+    assert "The scan shown before is still open, and questions are still about it." in reply
     assert_still_serving(c)
 
 

@@ -33,6 +33,9 @@ from .viewer import (_PRESET_LABELS, _in_hounsfield_units, _preset_value, _scan_
 
 log = logging.getLogger(__name__)
 
+# Said after a refused upload where a scan was open: nothing changed, and the questions go on about that one.
+_STILL_SHOWN = " The scan shown before is still open, and questions are still about it."
+
 # Two asks of the same question (or of the box just emptied) this close together are one double click.
 DOUBLE_CLICK_S = 1.0
 
@@ -63,11 +66,13 @@ class _Handlers:
             return (None, *self.show(source, scan, study, session))
         except ScanError as error:
             self._count_error("scan")
-            return (None, *self.viewer_unchanged(session, _error_message(f"The scan could not be opened: {error}")))
+            return (None, *self.viewer_unchanged(session, _error_message(
+                f"The scan could not be opened: {error}{_STILL_SHOWN if session is not None else ''}")))
         except Exception:  # noqa: BLE001 - the app must keep serving whatever the upload does
             log.exception("upload failed")
             self._count_error("scan")
-            return (None, *self.viewer_unchanged(session, _error_message("The scan could not be opened.")))
+            return (None, *self.viewer_unchanged(session, _error_message(
+                f"The scan could not be opened.{_STILL_SHOWN if session is not None else ''}")))
 
     def show(self, source, scan, study, session: _Session | None):
         """A newly opened scan or study replaces the tab's session: a new conversation about it.
