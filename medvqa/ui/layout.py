@@ -91,7 +91,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         session = gr.State(None, delete_callback=_close_session)
         with gr.Row():
             with gr.Column(scale=5):
-                upload = gr.File(label=f"Scan: DICOM, PNG or JPEG, or a .zip of a series' DICOM files (up to "
+                upload = gr.File(label=f"Scan: DICOM, PNG, JPEG or TIFF, or a .zip of a series' DICOM files (up to "
                                        f"{max_upload_mb:g} MB)",
                                  file_count="single", type="filepath", height=140, elem_id="medvqa-upload")
                 with gr.Row():  # a series as it lies on disk: its files, or their folder
