@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .imaging.windowing import is_grey
+
 log = logging.getLogger(__name__)
 
 YES_NO = "yes/no"
@@ -80,21 +82,10 @@ DISAGREES = ", image encoder disagrees"
 # The threshold of a part whose answers are all "Uncertain" (a part fitted by agreement where no threshold
 # reached the target accuracy out of fold: calibrate_closed.py marks it `abstain`).
 NEVER = math.inf
-# Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
-# On the held-out training images' closed questions: every SLAKE and VQA-RAD image at 0, the images of
-# 1,384 of PathVQA's 1,395 above 4 (calibrate_closed.py's groups_by_data).
-COLOUR_DIFFERENCE = 4.0
-
-
 def image_group(image: np.ndarray) -> str:
     """COLOUR for an image with colour (a stained slide, a photograph), GREY for one without (radiology,
-    shown as grey RGB), judged on the pixels the model sees."""
-    pixels = np.asarray(image)
-    if pixels.ndim < 3 or pixels.shape[-1] < 3:
-        return GREY
-    rgb = pixels[..., :3].astype(np.int16)
-    difference = np.abs(rgb[..., 0] - rgb[..., 1]).mean() + np.abs(rgb[..., 1] - rgb[..., 2]).mean()
-    return COLOUR if difference > COLOUR_DIFFERENCE else GREY
+    shown as grey RGB), judged on the pixels the model sees (imaging.windowing.is_grey)."""
+    return GREY if is_grey(image) else COLOUR
 
 
 def question_kind(options) -> str:
@@ -410,15 +401,15 @@ def reliability(confidences, correct, bins=RELIABILITY_BINS, split_at: float | N
     away from it (a figure on a dozen answers says little); a side with fewer in all is one bin."""
     c = np.asarray(confidences, dtype=np.float64)
     y = np.asarray(correct, dtype=np.float64)
-    if split_at is not None and bins[0] < split_at < bins[-1]:
-        bins = tuple(sorted({*bins, round(float(split_at), 2)}))
+    split = round(float(split_at), 2) if split_at is not None and bins[0] < split_at < bins[-1] else None
+    if split is not None:
+        bins = tuple(sorted({*bins, split}))
     spans = [(low, high) for low, high in zip(bins[:-1], bins[1:])]
 
     def inside(low: float, high: float) -> np.ndarray:
         return (c >= low) & ((c < high) | (high >= 1.0))
 
     if min_count:
-        split = round(float(split_at), 2) if split_at is not None and bins[0] < split_at < bins[-1] else None
         below = [span for span in spans if split is not None and span[1] <= split][::-1]  # outward from the split
         above = [span for span in spans if split is None or span[0] >= split]
         spans = sorted(_joined(below, inside, min_count) + _joined(above, inside, min_count))

@@ -367,7 +367,8 @@ class Pipeline(ClosedQuestions):
             yield sources(question)
 
         prompt_passages = passages if in_prompt else []
-        prompt = self.prompts.build(question, self._history(conversation), prompt_passages, self._prompt_window(conversation))
+        history = self._history(conversation)
+        prompt = self.prompts.build(question, history, prompt_passages, self._prompt_window(conversation))
         if prompt_passages:
             passages = passages[:len(passages) - prompt.dropped_passages]
             prompt_passages = passages
@@ -380,7 +381,7 @@ class Pipeline(ClosedQuestions):
             # Closed question: the best of the options it names (structured output), no free text.
             if presupposed:
                 # Through the open question it presupposes: "Yes" when the value it names is the best.
-                open_prompt = self.prompts.build(presupposed.question, self._history(conversation), prompt_passages,
+                open_prompt = self.prompts.build(presupposed.question, history, prompt_passages,
                                                  self._prompt_window(conversation))
                 request = self._request(conversation.image, open_prompt, conversation.digest, conversation.id)
             choice, scores = self._closed_scores(route, request, question, candidates, presupposed,
@@ -492,8 +493,9 @@ class Pipeline(ClosedQuestions):
             length = len(prompt) - 1  # the question's last token runs when it is asked, for the logits
         else:
             # Two prompts that differ only in the question share exactly the question-independent part.
-            prompt = self.prompts.build("a", self._history(conversation), (), window)
-            length = shared_prefix(prompt.token_ids, self.prompts.build("b", self._history(conversation), (), window).token_ids)
+            history = self._history(conversation)
+            prompt = self.prompts.build("a", history, (), window)
+            length = shared_prefix(prompt.token_ids, self.prompts.build("b", history, (), window).token_ids)
         if prompt.dropped_turns or length <= 0:
             return 0  # the next prompt is cut differently anyway
         start = Prompt(prompt.token_ids[:length], prompt.image_mask[:length])

@@ -24,10 +24,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from medvqa.answers import closed_candidates, closed_correct, first_yes_no, open_recall
+from medvqa.answers import closed_candidates, first_yes_no
 from medvqa.config import PROFILES, load_settings
 from medvqa.datasets import load_examples, read_image
 from medvqa.pipeline import Conversation, Done, Pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate import score  # noqa: E402 - scripts/evaluate.py's scoring
 
 PLACES = (("1st", 1, 1), ("2nd-3rd", 2, 3), ("4th-6th", 4, 6), ("7th or later", 7, 10**9))
 
@@ -40,22 +43,17 @@ def ask(pipeline: Pipeline, conversation: Conversation, question: str) -> Done:
     return done
 
 
-def right(row: dict, field: str) -> float:
-    if row["answer_type"] == "CLOSED":
-        return float(closed_correct(row[field], row["reference"]))
-    return open_recall(row[field], row["reference"])
-
-
 def summarise(rows: list[dict]) -> dict:
     def measure(subset: list[dict]) -> dict:
         closed = [r for r in subset if r["answer_type"] == "CLOSED"]
         open_ = [r for r in subset if r["answer_type"] != "CLOSED"]
         entry = {"n_closed": len(closed), "n_open": len(open_)}
         for field in ("alone", "in_conversation"):
+            scored = score(subset, field)  # evaluate.py's: closed accuracy and open recall
             if closed:
-                entry[f"closed_{field}"] = round(sum(right(r, field) for r in closed) / len(closed), 4)
+                entry[f"closed_{field}"] = round(scored["closed_accuracy"], 4)
             if open_:
-                entry[f"open_recall_{field}"] = round(sum(right(r, field) for r in open_) / len(open_), 4)
+                entry[f"open_recall_{field}"] = round(scored["open_recall"], 4)
         entry["changed"] = sum(r["alone"].strip().lower() != r["in_conversation"].strip().lower() for r in subset)
         return entry
 

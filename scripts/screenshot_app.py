@@ -10,39 +10,16 @@ It prints the answer the page shows, so the README's caption can say what the pi
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_app import start_app, stop_app  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCAN = REPO.parent / "shared" / "data" / "vqa_rad" / "images" / "synpic42202.jpg"
 QUESTION = "Is there evidence of an aortic aneurysm?"
 LAST_REPLY = "#medvqa-chat [data-testid='bot'] >> nth=-1"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until_served(url: str, app: subprocess.Popen, timeout_s: float = 900) -> None:
-    """The first start may build the literature index and convert the decoder (minutes on 2 cores)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if app.poll() is not None:
-            raise SystemExit(f"the app exited with status {app.returncode} before serving")
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-    raise SystemExit(f"the app did not serve {url} within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from playwright.sync_api import sync_playwright
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    app = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--profile", args.profile, "--port", str(port)],
-                           cwd=REPO, start_new_session=True, env=dict(os.environ))
+    # The first start may build the literature index and convert the decoder (minutes on 2 cores).
+    app, url = start_app(args.profile, timeout=900)
     try:
-        wait_until_served(url, app)
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=args.chromium, headless=True)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -81,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print("answer shown:", reply.inner_text().split("\n")[0])
             browser.close()
     finally:
-        os.killpg(app.pid, signal.SIGTERM)
-        app.wait(timeout=60)
+        stop_app(app)
     return 0
 
 

@@ -27,6 +27,7 @@ from .windowing import (
     _Frame,
     _to_rgb8,
     _value_range,
+    is_grey,
 )
 
 
@@ -122,7 +123,7 @@ class ScanSource:
         pixels = _to_rgb8(decoded, window)  # (H, W, 3) uint8
         return Scan(pixels=pixels, window=window, frame_index=index, frame_count=self.frame_count,
                     safe_meta=dict(self.safe_meta), source_format=self.source_format,
-                    grey_in_colour=window is None and _grey_throughout(pixels))
+                    grey_in_colour=window is None and is_grey(pixels))
 
     def _checked_frame(self, index: int, opening: bool = False) -> _Frame:
         """Frame `index` decoded, refused if too small to show anything: every format passes here when
@@ -153,19 +154,6 @@ class ScanSource:
     def __repr__(self) -> str:
         return (f"ScanSource({self.source_format}, frames={self.frame_count}, "
                 f"default_window={self.default_window}, safe_meta={self.safe_meta})")
-
-
-# Mean difference between the channels (summed over R-G and G-B, on 0..255) below which an RGB image is
-# grey: a grey radiograph saved as an RGB JPEG differs by a level or two where chroma was compressed.
-GREY_DIFFERENCE = 4.0
-
-
-def _grey_throughout(pixels: np.ndarray) -> bool:
-    """Whether RGB `pixels` are grey (their channels alike), judged on at most about 65,000 of them."""
-    step = max(1, int(np.sqrt(pixels.shape[0] * pixels.shape[1] / 65536)))
-    sample = pixels[::step, ::step, :3].astype(np.int16)
-    difference = np.abs(sample[..., 0] - sample[..., 1]).mean() + np.abs(sample[..., 1] - sample[..., 2]).mean()
-    return bool(difference < GREY_DIFFERENCE)
 
 
 class _TooSmall(ScanError):

@@ -156,20 +156,20 @@ class _Handlers:
     def set_frame(self, frame: float, session: _Session | None):
         """Another frame of a multi-frame scan, or slice of a series, in the window chosen so far; a
         number typed beyond the first or last is taken as that one."""
+        if session is None:
+            return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
         try:
             frame = float(frame)
             if not math.isfinite(frame):
                 raise ValueError("not finite")
         except (TypeError, ValueError):
             return self.viewer_unchanged(session, _error_message("The frame must be a number."))
-        window = session.scan.window if session else None
+        window = session.scan.window
         if window is not None and window.name in ("file", "file-lut"):
             window = None  # each frame with its own window from the file, as a viewer scrolls a stack
-        kept = {"frame"}
-        if session is not None:
-            within = min(max(round(frame), 1), session.source.frame_count)
-            kept, frame = ({"frame"} if within == frame else set()), within
-        return self._render(session, window, frame, kept=kept)
+        within = min(max(round(frame), 1), session.source.frame_count)
+        # As for the window: a frame as the user set it is not sent back, a clamped one is.
+        return self._render(session, window, within, kept={"frame"} if within == frame else set())
 
     def _render(self, session: _Session | None, window, frame, kept: frozenset | set = frozenset()):
         """Render the session's scan anew; the model sees exactly what is shown from then on."""
