@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("question")
     ask.add_argument("--profile", choices=PROFILES, default=None)
     ask.add_argument("--no-retrieval", action="store_true", help="answer from the image alone")
-    ask.add_argument("--window", default=None, help="window preset name, or CENTER,WIDTH (DICOM)")
+    ask.add_argument("--window", default=None, help="auto, file, a CT preset name (for a CT), or CENTER,WIDTH")
     ask.add_argument("--slice", type=int, default=None,
                      help="slice K (1 to N, in display order) of the first series; default: the middle one")
 
@@ -139,7 +139,7 @@ class _StandIn:
 def _ask(args) -> int:
     from .confidence import confidence_text
     from .config import load_settings
-    from .imaging import ScanError, open_study, parse_window
+    from .imaging import ScanError, check_preset, open_study, parse_window
     from .injection import check_answer
     from .answer_head import open_note
     from .open_choices import choice_note
@@ -149,7 +149,9 @@ def _ask(args) -> int:
 
     try:
         series = open_study(args.image).series[0]
-        scan = series.render(window=parse_window(args.window) if args.window else None,
+        window = parse_window(args.window) if args.window else None
+        check_preset(series, window)
+        scan = series.render(window=window,
                              frame=None if args.slice is None else args.slice - 1)
     except ScanError as error:
         print(f"error: {error}", file=sys.stderr)

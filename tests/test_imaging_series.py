@@ -215,3 +215,27 @@ def test_ask_slice_k_shows_the_model_that_slice(tmp_path, capsys, monkeypatch, t
     assert np.array_equal(scan.pixels, open_study(archive).series[0].render(READ_BACK, 3).pixels)
     assert main(["ask", str(archive), "Is there a mass?", "--slice", "13"]) == 2
     assert "Slice 13 was requested, but this series has 12 slices (1 to 12)" in capsys.readouterr().err
+
+
+def test_ask_refuses_a_ct_preset_for_an_image_without_hounsfield_units(tmp_path, capsys, monkeypatch, tiny_pipeline):
+    """As the page offers the CT presets for a CT only, `ask --window lung` refuses a PNG, and an MR, with
+    the reason, before any model is loaded; a CT takes it."""
+    from PIL import Image
+
+    from medvqa.__main__ import main
+    from medvqa.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    picture = tmp_path / "chest.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64), dtype=np.uint8)).save(picture)
+    mr = tmp_path / "mr.dcm"
+    mr.write_bytes(dicom_bytes(make_dicom(np.full((32, 32), 300, np.uint16), Modality="MR")))
+    for path, kind in ((picture, "a PNG image"), (mr, "a MR DICOM image")):
+        assert main(["ask", str(path), "Is there a mass?", "--window", "lung", "--no-retrieval"]) == 2
+        assert f"The lung window is a CT window in Hounsfield units, which {kind} does not have" in \
+            capsys.readouterr().err
+    assert main(["ask", str(picture), "Is there a mass?", "--window", "auto", "--no-retrieval"]) == 0
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(4))}))
+    assert main(["ask", str(archive), "Is there a mass?", "--window", "lung", "--no-retrieval"]) == 0
+    assert "(image window: lung" in capsys.readouterr().out

@@ -20,7 +20,7 @@ Modules, each importing only those listed before it:
 
     guard       ScanError; library logs and warnings silenced; one upload at a time
     windowing   Window, WINDOW_PRESETS; a decoded frame (_Frame) through a window to uint8 RGB
-    scan        ScanLimits, Scan, ScanSource (re-rendering held pixels), parse_window
+    scan        ScanLimits, Scan, ScanSource (re-rendering held pixels), parse_window, check_preset
     codestream  the size a JPEG / JPEG 2000 frame claims, read before a decoder allocates for it
     frames      DICOM frames decoded on demand through crash-safe plugins
     deid        the allowlisted DICOM metadata a scan may carry
@@ -32,7 +32,7 @@ Modules, each importing only those listed before it:
 """
 
 from .guard import ScanError
-from .scan import Scan, ScanLimits, ScanSource, parse_window
+from .scan import Scan, ScanLimits, ScanSource, check_preset, in_hounsfield_units, parse_window
 from .series import Series, Study, cli_scan_study, open_study
 from .upload import cli_scan, load_scan, open_scan
 from .windowing import WINDOW_PRESETS, Window
@@ -46,8 +46,10 @@ __all__ = [
     "Series",
     "Study",
     "Window",
+    "check_preset",
     "cli_scan",
     "cli_scan_study",
+    "in_hounsfield_units",
     "load_scan",
     "open_scan",
     "open_study",

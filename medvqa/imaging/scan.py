@@ -181,6 +181,24 @@ def parse_window(text: str) -> Window | str:
     return window
 
 
+def in_hounsfield_units(source) -> bool:
+    """Whether the CT presets mean anything for `source` (a ScanSource or a Series): a CT's values,
+    after its rescale, are Hounsfield units; a picture's, or another modality's, are in no such unit."""
+    return source.is_dicom and source.safe_meta.get("Modality", "").upper() == "CT"
+
+
+def check_preset(source, window: Window | str | None) -> None:
+    """Refuse a CT preset (a WINDOW_PRESETS name, or its Window from parse_window) for a scan whose
+    values are not in Hounsfield units: it would window them arbitrarily."""
+    name = window.name if isinstance(window, Window) else window
+    if name not in WINDOW_PRESETS or in_hounsfield_units(source):
+        return
+    kind = (f"{source.safe_meta.get('Modality') or 'non-CT'} DICOM" if source.is_dicom
+            else source.source_format.upper())
+    raise ScanError(f"The {name.replace('_', ' ')} window is a CT window in Hounsfield units, which a "
+                    f"{kind} image does not have. Choose the automatic window, or set the centre and width.")
+
+
 def _check_frame(frame: int, frame_count: int) -> int:
     if isinstance(frame, bool) or not isinstance(frame, (int, np.integer)) or not 0 <= frame < frame_count:
         raise ScanError(f"Frame {frame} was requested, but this scan has {frame_count} "

@@ -18,7 +18,7 @@ from typing import Iterator
 import gradio as gr
 
 from ..config import Settings
-from ..imaging import WINDOW_PRESETS, ScanError, ScanLimits, Window, open_scan, open_study
+from ..imaging import ScanError, ScanLimits, Window, check_preset, open_scan, open_study
 from ..imaging.archive import is_zip
 from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
@@ -28,7 +28,7 @@ from .render import _error_html, _error_message, _escape_model_text, _render_ans
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
-from .viewer import (_PRESET_LABELS, _in_hounsfield_units, _preset_value, _scan_meta, _series_choices, _study_notes,
+from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _study_notes,
                      _viewer_html, _window_controls)
 
 log = logging.getLogger(__name__)
@@ -125,12 +125,11 @@ class _Handlers:
         presets are for DICOM only: a picture's values are in no unit (see viewer._PICTURE_PRESET_LABELS)."""
         if preset == "custom":
             return self.viewer_unchanged(session)
-        if session is not None and preset in WINDOW_PRESETS and not _in_hounsfield_units(session.source):
-            kind = (f"{session.source.safe_meta.get('Modality') or 'non-CT'} DICOM" if session.source.is_dicom
-                    else session.source.source_format.upper())
-            return self.viewer_unchanged(session, _error_message(
-                f"The {preset.replace('_', ' ')} window is a CT window in Hounsfield units, which a "
-                f"{kind} image does not have. Choose the automatic window, or set the centre and width."))
+        if session is not None:
+            try:
+                check_preset(session.source, preset)
+            except ScanError as error:
+                return self.viewer_unchanged(session, _error_message(str(error)))
         return self._render(session, preset, frame)
 
     def set_window(self, center: float, width: float, frame: float, session: _Session | None):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from ..imaging import WINDOW_PRESETS, Scan, ScanSource, Series, Study, Window
+from ..imaging import WINDOW_PRESETS, Scan, ScanSource, Series, Study, Window, in_hounsfield_units
 
 DISPLAY_MAX_SIDE = 1024  # the viewer shows at most this many pixels a side (the model gets all of them)
 
@@ -29,11 +29,6 @@ _PICTURE_PRESET_LABELS = [("Automatic (0.5–99.5 %)", "auto"), ("Custom (slider
 # A DICOM of another modality than CT (MR, X-ray, ultrasound...) is in no Hounsfield units either: its own
 # window, the automatic one and the sliders.
 _NON_CT_PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
-
-
-def _in_hounsfield_units(source) -> bool:
-    """Whether the CT presets mean anything for `source`: a CT's values, after its rescale, are HU."""
-    return source.is_dicom and source.safe_meta.get("Modality", "").upper() == "CT"
 
 
 def _viewer_html(scan: Scan) -> str:
@@ -109,7 +104,7 @@ def _window_controls(source: ScanSource | Series, scan: Scan) -> _WindowControls
     sliders over its own values."""
     current = scan.window or Window(40, 400, "none")
     if source.is_dicom or source.value_range is None:
-        presets = ((_PRESET_LABELS if _in_hounsfield_units(source) else _NON_CT_PRESET_LABELS)
+        presets = ((_PRESET_LABELS if in_hounsfield_units(source) else _NON_CT_PRESET_LABELS)
                    if scan.window is not None and source.is_dicom else [])
         default = source.default_window or current
         low = min(-1100.0, default.center - 2 * default.width, current.center)
