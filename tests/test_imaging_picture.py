@@ -76,6 +76,8 @@ def test_rgb_rgba_palette_jpeg_and_tiff():
     source = open_scan(buffer.getvalue())
     assert source.source_format == "tiff" and source.frame_count == 3
     assert source.render(window=Window(2000, 1000, "user"), frame=2).pixels.min() == 255
+    # The window sliders span every page's values, not only the middle page's (2000).
+    assert source.value_range == (1000.0, 3000.0)
 
 
 def test_real_vqa_rad_and_slake_images():

@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 
 from .guard import ScanError, _guarded
 from .scan import ScanLimits, ScanSource, _too_large_message
-from .windowing import _AS_STORED, _Frame, _LastFrame
+from .windowing import _AS_STORED, _Frame, _LastFrame, _value_range
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
     if count > limits.max_frames:
         raise ScanError(_too_large_message(*image.size[::-1], count, limits))
     total_pixels, first_mode, shape, shown = 0, image.mode, None, count // 2  # ScanSource shows the middle frame
+    lows, highs = [], []  # each grey page's lowest and highest value: the sliders span every page
     for index in range(count):
         _guarded(damaged, image.seek, index)
         columns, rows = image.size
@@ -47,6 +48,9 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
         # the one shown first: the source keeps the file's bytes and decodes a frame again when needed.
         frame = _guarded(damaged, _picture_frame, image, kind)
         shape = shape or frame.values.shape
+        if (page_range := _value_range(frame)) is not None:
+            lows.append(page_range[0])
+            highs.append(page_range[1])
         if index == shown:
             first_shown = frame
         del frame
@@ -56,7 +60,8 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
     safe_meta = {"Format": _PILLOW_FORMAT[kind], "Rows": str(rows), "Columns": str(columns),
                  "PixelFormat": first_mode}  # Pillow's mode, e.g. "L", "I;16", "RGB"
     return ScanSource(source_format=kind, frame_count=count, safe_meta=safe_meta,
-                      load_frame=frames.load, forget=frames.forget, held=frames.held)
+                      load_frame=frames.load, forget=frames.forget, held=frames.held,
+                      value_range=(min(lows), max(highs)) if lows else None)
 
 
 class _PictureFrames(_LastFrame):

@@ -85,7 +85,9 @@ class ScanSource:
 
     def __init__(self, *, source_format: str, frame_count: int, safe_meta: dict[str, str],
                  load_frame: Callable[[int], _Frame], forget: Callable[[], None] | None = None,
-                 held: Callable[[], int] | None = None):
+                 held: Callable[[], int] | None = None, value_range: tuple[float, float] | None = None):
+        """`value_range`: the lowest and highest grey value over every frame where the opener saw them
+        all (a multi-page TIFF), else those of the default frame."""
         self.source_format = source_format
         self.is_dicom = source_format == "dicom"
         self.frame_count = frame_count
@@ -97,7 +99,9 @@ class ScanSource:
         # Decode the default frame now, so that a damaged or degenerate upload is refused when it is opened.
         default = self._checked_frame(self.default_frame, opening=True)
         self.default_window = _default_window(default)
-        self.value_range = _value_range(default)  # (lowest, highest) grey value of the default frame, or None
+        # (lowest, highest) grey value, or None for a colour frame shown first.
+        own_range = _value_range(default)
+        self.value_range = None if own_range is None else (value_range or own_range)
 
     def forget_decoded(self) -> None:
         """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""
