@@ -69,7 +69,8 @@ def test_multi_turn_new_conversation_and_export(app_url):
     assert [t["question"] for t in record["turns"]] == [QUESTION, "What is the capital of France?"]
     first, second = record["turns"]
     assert first["citations"] and {c["url"] for c in first["citations"]} <= CORPUS_URLS
-    assert all(set(c) == {"n", "id", "title", "url", "source", "license", "support"} for c in first["citations"])
+    assert all(set(c) == {"n", "id", "title", "url", "source", "license", "text", "support"} and c["text"]
+               for c in first["citations"])
     assert second["citations"] == [] and "relevant" in second["note"]
     assert "window" in first["window"] and first["frame"] == 1
     assert record["scan"] == {"format": "dicom", "frames": 1, "modality": "CT"}

@@ -21,7 +21,9 @@ from medvqa.ui.transcript import _download_links, _transcript_json, _transcript_
 def test_transcript_keeps_turns_and_citations_and_model_text_makes_no_links():
     passages = [Passage("p1", "Effusion text", "https://pubmed.ncbi.nlm.nih.gov/1/", "Effusion [review]", "PubMed",
                         "abstract", 1.0),
-                Passage("p2", "Other text", "javascript:alert(1)", "", "", "", 0.5)]
+                Passage("p2", "Other text", "javascript:alert(1)", "", "", "", 0.5),
+                Passage("ROCO_7", "Axial CT: pleural effusion", "https://www.ncbi.nlm.nih.gov/pmc/articles/PMC7/", "",
+                        "ROCO (PMC Open Access figure caption)", "CC BY", 0.4)]
     scan = SimpleNamespace(frame_index=2, series=None, describe_window=lambda: "lung window (C -600 / W 1500)")
     answered = _Answer("Is there an effusion? https://evil.example/q", scan, passages=passages,
                        text="Yes [1]. [click](https://evil.example/a) <b>bold</b>")
@@ -32,14 +34,18 @@ def test_transcript_keeps_turns_and_citations_and_model_text_makes_no_links():
     record = _transcript_record(session, SimpleNamespace(profile="tiny"))
     assert record["scan"] == {"format": "dicom", "frames": 3, "modality": "CT"} and record["profile"] == "tiny"
     first, second = record["turns"]
-    assert [c["url"] for c in first["citations"]] == ["https://pubmed.ncbi.nlm.nih.gov/1/", ""]  # no javascript:
+    assert [c["url"] for c in first["citations"]] == [  # no javascript:
+        "https://pubmed.ncbi.nlm.nih.gov/1/", "", "https://www.ncbi.nlm.nih.gov/pmc/articles/PMC7/"]
     assert first["frame"] == 3 and first["window"] == "lung window (C -600 / W 1500)" and not first["stopped"]
     assert second["stopped"] and second["citations"] == [] and second["answer"] == "The heart"
 
     markdown = export_markdown(record)
     assert "https://evil" not in markdown and "<b>" not in markdown  # what the model or user wrote stays text
-    assert "1. [Effusion &#91;review&#93;](<https://pubmed.ncbi.nlm.nih.gov/1/>) (p1)" in markdown
-    assert "\n2. p2\n" in markdown  # a source without an http(s) URL is not linked
+    # Each source with the passage the page showed; a caption (no title) named by its collection.
+    assert "1. [Effusion &#91;review&#93;](<https://pubmed.ncbi.nlm.nih.gov/1/>) (p1)\n   > Effusion text\n" in markdown
+    assert "\n2. p2\n   > Other text\n" in markdown  # a source without an http(s) URL is not linked
+    assert ("\n3. [ROCO (PMC Open Access figure caption)](<https://www.ncbi.nlm.nih.gov/pmc/articles/PMC7/>) "
+            "(ROCO_7)\n   > Axial CT: pleural effusion\n") in markdown
     assert "_(stopped by the user before the answer was complete)_" in markdown
 
     as_json = _transcript_json(record)
@@ -83,7 +89,8 @@ def test_passage_fields_leave_in_the_exports_escaped_as_on_the_page():
             tags.append((tag, [name for name, _ in attrs]))
 
     Collector().feed(markdown_it.MarkdownIt("commonmark", {"html": True}).render(markdown))
-    assert {tag for tag, _ in tags} <= {"h1", "h2", "p", "em", "strong", "code", "ul", "ol", "li", "a"}, tags
+    assert {tag for tag, _ in tags} <= {"h1", "h2", "p", "em", "strong", "code", "ul", "ol", "li", "a",
+                                     "blockquote"}, tags
     assert [attrs for tag, attrs in tags if tag == "a"] == [["href"]]
     # The injection warning is recorded in both exports, in plain words.
     assert "**Warning:** Caution: this answer repeats an instruction" in markdown

@@ -3,7 +3,7 @@
 Called "transcript" here because "export" in this project also names the LLaVA checkpoint export
 (medvqa/hf_export.py); the app's button and its API endpoint (`/export`) keep their names.
 
-The record holds questions, answers, citations and windows, never patient data or the image, and
+The record holds questions, answers, citations (with the passage shown) and windows, never patient data or the image, and
 the downloads are inline data: links, so nothing is written to disk. A citation's passage fields are
 made inert (`safe_text.inert`) once, when the record is built, so the JSON, the Markdown made from
 it and the page show them escaped the same way; its URL is kept only when it is a plain http(s) link.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def _citation(n: int, passage: Passage) -> dict:
     """Passage `n` of a turn as the record keeps it: fields inert, a URL other than http(s) left out."""
     return {"n": n, "id": inert(passage.id), "title": inert(passage.title), "url": safe_url(passage.url),
-            "source": inert(passage.source), "license": inert(passage.license)}
+            "source": inert(passage.source), "license": inert(passage.license), "text": inert(passage.text)}
 
 
 def _transcript_record(session: _Session, settings: Settings) -> dict:
@@ -101,13 +101,14 @@ def _markdown_place(turn: dict) -> str:
 
 
 def _markdown_citation(citation: dict) -> str:
-    """One numbered source line. Fields are inert already (and inert() again changes nothing, so a
-    record built elsewhere is escaped too); the URL is linked only when it is a plain http(s) link."""
-    label = inert(citation["title"] or citation["id"])
+    """One numbered source and, quoted under it, the passage the page showed. Fields are inert already
+    (and inert() again changes nothing, so a record built elsewhere is escaped too); the URL is linked
+    only when it is a plain http(s) link. A caption has no title: it is named by its collection."""
+    label = inert(citation["title"] or citation.get("source") or citation["id"])
     url = safe_url(citation["url"])
-    if not url:
-        return f"{citation['n']}. {label}"
-    return f"{citation['n']}. [{label}](<{url}>) ({inert(citation['id'])})"
+    line = f"{citation['n']}. [{label}](<{url}>) ({inert(citation['id'])})" if url else f"{citation['n']}. {label}"
+    text = inert(citation.get("text", ""))
+    return f"{line}\n   > {text}" if text else line
 
 
 def _download_link(name: str, mime: str, text: str, label: str) -> str:
@@ -119,5 +120,5 @@ def _download_links(markdown: str, as_json: str) -> str:
     """The two downloads and a line saying what they hold (and do not)."""
     return (f'<p>{_download_link("medvqa-conversation.md", "text/markdown", markdown, "Download Markdown")} · '
             f'{_download_link("medvqa-conversation.json", "application/json", as_json, "Download JSON")}</p>'
-            f'<p class="medvqa-caption">The export holds questions, answers, citations and windows; '
+            f'<p class="medvqa-caption">The export holds questions, answers, cited passages and windows; '
             f'no patient data, no image.</p>')
