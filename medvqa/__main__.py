@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medvqa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    ask = commands.add_parser("ask", help="answer a question about an image (PNG, JPEG or DICOM), or about one "
+    ask = commands.add_parser("ask", help="answer a question about an image (DICOM, PNG, JPEG or TIFF), or about one "
                                           "slice of the first series in a folder or .zip of DICOM files")
     ask.add_argument("image", help="a file, a folder or a .zip")
     ask.add_argument("question")

@@ -50,7 +50,7 @@ class ServingMetrics:
         self.image_reliance_flags = Counter(
             "medvqa:image_reliance_flags", "Closed answers flagged as not depending on the image.", registry=r)
         self.abstentions = Counter(
-            "medvqa:abstentions", "Closed answers given as Uncertain (below decoder.min_confidence).", registry=r)
+            "medvqa:abstentions", "Closed answers given as Uncertain (below the calibrated threshold).", registry=r)
         self.open_abstentions = Counter(
             "medvqa:open_abstentions", "Open answers chosen among training answers given as Uncertain "
             "(below the open-answer calibration's threshold).", registry=r)
