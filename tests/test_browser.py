@@ -44,6 +44,7 @@ def page(browser, app_url):  # noqa: F811 - the fixture imported above
     page.set_default_timeout(60_000)
     page.goto(app_url)
     page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
+    page.wait_for_selector("body[data-medvqa=ready]", state="attached")  # the page's own script is in place
     yield page
     context.close()
 
@@ -138,6 +139,12 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
     assert "lung window (C -600 / W 1500)" in page.inner_text("#medvqa-viewer")
     lung_src = page.get_attribute("#medvqa-scan", "src")
     screenshot(page, "04-lung-window.png")
+    # Focus passing through a number box, nothing typed, leaves the window and where it came from alone.
+    page.locator("#medvqa-center input[type=number]").focus()
+    page.keyboard.press("Tab")
+    page.wait_for_timeout(1000)
+    assert "lung window (C -600 / W 1500)" in page.inner_text("#medvqa-viewer")
+    assert page.get_attribute("#medvqa-scan", "src") == lung_src
 
     # Typed centre / width: the image changes again.
     center = page.locator("#medvqa-center input[type=number]")
@@ -172,6 +179,17 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
     page.wait_for_timeout(500)
     assert (center.input_value(), width.input_value()) == ("70", "300")
 
+    # The arrow keys on a window slider change the window shown, as a drag does (they send no release).
+    page.locator("#medvqa-center input[type=range]").focus()
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        "() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C 72 / W 300)')")
+    page.locator("#medvqa-width input[type=range]").focus()
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function(
+        "() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C 72 / W 299)')")
+
 
 def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     """Enter in the question box asks (Shift+Enter would start a new line); an error that follows an answer
@@ -190,6 +208,56 @@ def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     assert "Please type a question" in page.locator(LAST_REPLY).inner_text()
     assert "Please type a question" not in replies.nth(answered - 1).inner_text()
     screenshot(page, "05b-error-as-its-own-message.png")
+
+
+def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_question(browser, app_url):  # noqa: F811
+    """Gradio follows the system's colour scheme; the notice keeps its light background there, so its text
+    must stay dark (it was Gradio's near-white on it). The page's first Tab stop skips to the question."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme="dark")
+    page = context.new_page()
+    page.goto(app_url)
+    page.wait_for_selector("#medvqa-notice p")
+    page.wait_for_selector("body[data-medvqa=ready]", state="attached")
+    colours = page.evaluate("() => [...document.querySelectorAll('#medvqa-notice h1, #medvqa-notice p')]"
+                            ".map(el => getComputedStyle(el).color)")
+    assert colours and set(colours) == {"rgb(120, 53, 15)"}, colours
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.textContent") == "Skip to the question"
+    page.keyboard.press("Enter")
+    assert page.evaluate("() => document.activeElement.closest('#medvqa-question') !== null")
+    context.close()
+
+
+def test_an_answer_taller_than_the_chat_is_shown_from_its_first_line(browser, app_url, ui_pipeline,  # noqa: F811
+                                                                     monkeypatch):
+    """On a narrow screen an answer with its sources can be taller than the chat: the chat shows it from its
+    first line (the answer, or "Uncertain"), not scrolled to the end of its sources; the next question
+    still scrolls into view."""
+    from medvqa.retrieval import Passage
+
+    passages = [Passage(f"p{n}", "A short passage.", f"https://pubmed.ncbi.nlm.nih.gov/{n}/",
+                        f"A title long enough to wrap over several lines of a narrow chat, number {n}", "PubMed",
+                        "", 1.0) for n in range(1, 13)]
+    monkeypatch.setattr(ui_pipeline, "retrieve", lambda *a, **k: passages)
+    context = browser.new_context(viewport={"width": 768, "height": 1024})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(app_url)
+    page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    visible = ("() => { const log = document.querySelector('#medvqa-chat .bubble-wrap');"
+               " const rows = log.querySelectorAll('.message-row'); const last = rows[rows.length - 1];"
+               " const top = last.getBoundingClientRect().top - log.getBoundingClientRect().top;"
+               " return [last.offsetHeight > log.clientHeight, top >= 0 && top < 64, last.offsetHeight, top]; }")
+    for question in (QUESTION, "Is the heart enlarged?"):
+        page.locator("#medvqa-question textarea").fill(question)
+        page.click("#medvqa-ask")
+        page.wait_for_function("n => document.querySelectorAll('#medvqa-chat .medvqa-sources').length === n",
+                               arg=1 if question == QUESTION else 2, timeout=120_000)
+        page.wait_for_timeout(500)
+        assert page.evaluate(visible)[:2] == [True, True], (question, page.evaluate(visible))
+    screenshot(page, "06-tall-answer-narrow-screen.png")
+    context.close()
 
 
 def test_oversize_upload_is_refused_with_a_message(page, tmp_path):
@@ -269,6 +337,9 @@ def test_confidence_support_marks_and_image_reliance_in_the_browser(page, ui_pip
     uncertain = ask("Is the heart enlarged?", "Not answered")
     text = uncertain.inner_text()
     assert text.startswith("Uncertain — the model cannot tell from this image") and "leans to Yes" in text
+    assert "\\" not in text  # the escaped answer is read as Markdown inside its box, not shown with backslashes
+    # Set apart from an answer the app gives by more than colour: a bar beside it.
+    assert uncertain.locator(".medvqa-withheld").evaluate("el => getComputedStyle(el).borderLeftWidth") == "4px"
     assert "describes enlarged cardiac silhouette" not in text  # "Uncertain" claims nothing for a source to describe
     assert "Its leaning does not come from the image" in text and "does not depend on the image" not in text
     screenshot(page, "07-uncertain-closed-answer.png")

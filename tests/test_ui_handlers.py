@@ -188,6 +188,8 @@ def test_window_and_frame_values_beyond_the_sliders_are_brought_within_them(ui_p
     the slider (the page sends them unchecked: Gradio's check would put the chat in an error state)."""
     import shutil
 
+    import gradio as gr
+
     from medvqa.ui.handlers import _Handlers
 
     handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
@@ -198,13 +200,16 @@ def test_window_and_frame_values_beyond_the_sliders_are_brought_within_them(ui_p
         return session
 
     session = opened("CT_small.dcm")
+    # Focus passing through a box sends the window shown unchanged: nothing changes, the file's window stays.
+    shown = session.scan
+    unchanged = handlers.set_window(shown.window.center, shown.window.width, 1, session)
+    assert all(isinstance(output, type(gr.skip())) for output in unchanged[:6]) and session.scan is shown
     viewer, _, center, width, _, _, chat, session = handlers.set_window(-5000, 0, 1, session)
     assert center.minimum <= -1100 and "user window (C " in viewer and " / W 1)" in viewer
     assert f"C {center.minimum:g} " in viewer and width.value == 1 and not chat  # no error in the chat
     _, _, _, _, _, _, chat, session = handlers.set_window("nan", 400, 1, session)
     assert "must be numbers" in last_reply(chat)
     # A value within range is not sent back: it would overwrite what the user types next in the other box.
-    import gradio as gr
 
     viewer, preset, center, width, *_ = handlers.set_window(50, 300, 1, session)
     assert "user window (C 50 / W 300)" in viewer and preset.value == "custom"

@@ -175,7 +175,8 @@ def test_closed_answers_show_their_confidence_an_uncertain_one_says_it_and_an_un
     answer.text = "Uncertain — the model cannot tell from this image (it leans to Yes, estimated 55% likely to be right)."
     answer.closed = dict(closed, confidence=0.55, abstained=True)
     rendered = _render_answer(answer, final=True)
-    assert rendered.startswith("Uncertain — the model cannot tell from this image")
+    # Withheld, the answer is set apart (a bar, tests/test_browser.py) from one the app gives.
+    assert rendered.startswith('<div class="medvqa-withheld">\n\nUncertain — the model cannot tell from this image')
     assert "medvqa-uncertain" in rendered and "55 %" in rendered
     answer.closed = dict(closed, confidence=None)
     assert "not measured for this model" in _render_answer(answer, final=True)

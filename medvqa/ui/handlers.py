@@ -144,6 +144,11 @@ class _Handlers:
                 raise ValueError("not finite")
         except (TypeError, ValueError):
             return self.viewer_unchanged(session, _error_message("The window centre and width must be numbers."))
+        shown = session.scan.window
+        if shown is not None and (center, width) == (shown.center, shown.width):
+            # Focus passing through a box sends its value unchanged: the window, and where it came from
+            # (the file's, a preset), stay as they are.
+            return self.viewer_unchanged(session)
         offered = _window_controls(session.source, session.scan)
         (lowest, highest), (narrowest, widest) = offered.center_range, offered.width_range
         within = min(max(center, lowest), highest), min(max(width, narrowest), widest)

@@ -32,31 +32,108 @@ NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small rese
           "clinical decisions.")
 DEFAULT_CONCURRENCY = 8  # answers generated at once (llama.cpp runs their steps in shared batches)
 
+# Colours are checked against both of Gradio's schemes (it follows the system's; ".dark" on the page) and
+# under the chat's own 0.8 opacity: 4.5:1 or more for text. The notice keeps its light background in both,
+# so its text is set dark on every element inside it (Gradio's prose rules would give them the scheme's).
 _CSS = """
-#medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; color: #78350f; }
+#medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; }
+#medvqa-notice, #medvqa-notice * { color: #78350f !important; }
+.medvqa-viewer { margin: 0; }
 .medvqa-viewer img { width: 100%; max-width: 640px; height: auto; image-rendering: auto; background: #000; }
 .medvqa-caption { font-size: 0.85em; opacity: 0.8; margin-top: 4px; }
 .medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
 .medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
-.medvqa-error { color: #b91c1c; }
+.medvqa-error { color: #991b1b; }
+.dark .medvqa-error { color: #fca5a5; }
+.medvqa-withheld { border-left: 4px solid #6b7280; padding: 0 0 0 8px; }
+.medvqa-uncertain { font-style: italic; }
 .medvqa-mark { display: inline-block; vertical-align: top; font-size: 0.9em; }
 .medvqa-mark summary { cursor: pointer; }
-.medvqa-contradicts summary { color: #b45309; }
+.medvqa-contradicts summary { color: #92400e; }
+.dark .medvqa-contradicts summary { color: #fcd34d; }
 .medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
+#medvqa-frame input[type=range]:focus-visible, #medvqa-center input[type=range]:focus-visible,
+#medvqa-width input[type=range]:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
+.medvqa-skip { position: absolute; left: -10000px; }
+.medvqa-skip:focus { position: static; }
 """
 
-# Run when the page loads. A slider's number box reports its value when it loses focus (Gradio's "release");
-# Enter there leaves it, so that the value typed is applied as Tab would apply it.
+# Run when the page loads.
+# - A slider's number box reports its value when it loses focus (Gradio's "release"): Enter there applies
+#   the value typed, as Tab would, and the box keeps the focus.
+# - The window sliders report a change on "release" only, which the arrow, Page and Home/End keys never
+#   send: a key that moved one sends it, as letting go of a drag does.
+# - The viewer announces what is shown (a new scan, frame or window) to a screen reader, once it is shown.
+# - The chat scrolls to the end of each update, as Gradio's autoscroll does, but where the latest answer
+#   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
+#   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
+# - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 _PAGE_JS = """
 () => {
+  const KEYS = ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "PageUp", "PageDown", "Home", "End"];
   document.addEventListener("keydown", (event) => {
     const box = event.target;
     if (event.key === "Enter" && box instanceof HTMLInputElement && box.type === "number"
         && box.closest("#medvqa-center, #medvqa-width, #medvqa-frame")) {
       event.preventDefault();
       box.blur();
+      box.focus();
     }
   });
+  document.addEventListener("keyup", (event) => {
+    const range = event.target;
+    if (KEYS.includes(event.key) && range instanceof HTMLInputElement && range.type === "range"
+        && range.closest("#medvqa-center, #medvqa-width")) {
+      range.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
+    }
+  });
+  document.addEventListener("click", (event) => {
+    if (event.target.closest && event.target.closest(".medvqa-skip")) {
+      event.preventDefault();
+      document.querySelector("#medvqa-question textarea")?.focus();
+    }
+  });
+  const settle = () => {
+    const viewer = document.querySelector("#medvqa-viewer");
+    if (viewer && !viewer.hasAttribute("aria-live")) {
+      viewer.setAttribute("aria-live", "polite");
+      viewer.setAttribute("aria-atomic", "true");
+    }
+    const log = document.querySelector("#medvqa-chat .bubble-wrap");
+    const rows = log ? log.querySelectorAll(".message-row") : [];
+    const last = rows[rows.length - 1];
+    if (!last) return;
+    // Not once the reader has scrolled the chat since its last message came: they stay where they went.
+    const seen = rows.length + ":" + last.textContent.length;
+    const changed = seen !== shown;
+    if (rows.length !== messages) scrolled = false;
+    shown = seen;
+    messages = rows.length;
+    if (scrolled) return;
+    if (last.classList.contains("bot-row") && last.offsetHeight > log.clientHeight - 32) {
+      const top = last.getBoundingClientRect().top - log.getBoundingClientRect().top + log.scrollTop;
+      const target = Math.max(0, Math.round(top - 32));  // the answer's first line, clear of the chat's label
+      if (Math.abs(log.scrollTop - target) > 1) log.scrollTop = target;
+    } else if (changed) {
+      log.scrollTop = log.scrollHeight;  // a question, or an answer that fits: the end, as Gradio scrolls
+    }
+  };
+  let pending = null, shown = "", messages = 0, scrolled = false;
+  for (const kind of ["wheel", "touchmove", "pointerdown", "keydown"]) {
+    document.addEventListener(kind, (event) => {
+      if (event.target.closest && event.target.closest("#medvqa-chat")) scrolled = true;
+    }, {passive: true});
+  }
+  const later = () => {
+    clearTimeout(pending);
+    pending = setTimeout(settle, 60);  // after Gradio's own scroll to the end
+  };
+  new MutationObserver(later).observe(document.body, {childList: true, subtree: true, characterData: true});
+  // Gradio may scroll to the end again after the last change (a scroll, but no user input before it).
+  document.addEventListener("scroll", (event) => {
+    if (!scrolled && event.target.closest && event.target.closest("#medvqa-chat")) later();
+  }, true);
+  document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
 }
 """
 
@@ -87,6 +164,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
 
     with gr.Blocks(title="MedVQA", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+        gr.HTML('<a class="medvqa-skip" href="#medvqa-question">Skip to the question</a>', padding=False)
         gr.Markdown(f"# MedVQA\n{NOTICE}", elem_id="medvqa-notice")
         session = gr.State(None, delete_callback=_close_session)
         with gr.Row():
@@ -124,8 +202,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                                      group_consecutive_messages=False,
                                      placeholder="Upload a scan, then ask a question about it.")
                 # One line to start: Enter asks, Shift+Enter starts a new line (Gradio's rule for one line).
-                question = gr.Textbox(label="Question", placeholder="e.g. Is there a pleural effusion? (Enter asks; "
-                                      "Shift+Enter starts a new line)", lines=1, max_lines=6, elem_id="medvqa-question")
+                question = gr.Textbox(label="Question", placeholder="e.g. Is there a pleural effusion?",
+                                      info="Enter asks; Shift+Enter starts a new line.", lines=1, max_lines=6,
+                                      elem_id="medvqa-question")
                 with gr.Row():
                     ask_button = gr.Button("Ask", variant="primary", elem_id="medvqa-ask")
                     stop_button = gr.Button("Stop", variant="stop", elem_id="medvqa-stop")
