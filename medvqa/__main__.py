@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import PROFILES
@@ -48,18 +49,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="put N stand-in passages where retrieved literature goes")
 
     args = parser.parse_args(argv)
+    if args.command == "prompt":
+        return _print_prompt(args)
     if args.command == "scan" and args.pacs_url:
+        if args.file:  # one of them would be ignored without a word
+            print("error: scan reads a file, a folder or a .zip, or a study from --pacs-url, not both.",
+                  file=sys.stderr)
+            return 2
         return _scan_pacs(args.pacs_url, as_json=args.json)
     if args.command == "scan" and not args.file:
         parser.error("scan needs a file, a folder or a .zip, or --pacs-url")
+    path = args.file if args.command == "scan" else args.image
+    if not os.path.exists(path):  # said here, where the path is the user's own: the imaging package names no file
+        print(f"error: No such file or folder: {path}", file=sys.stderr)
+        return 2
     if args.command == "scan":
         from .imaging import cli_scan, cli_scan_study
 
         if args.json or not _is_single_file(args.file):
             return cli_scan_study(args.file, as_json=args.json)
         return cli_scan(args.file)
-    if args.command == "prompt":
-        return _print_prompt(args)
     return _ask(args)
 
 
@@ -89,8 +98,6 @@ def _scan_pacs(url: str, as_json: bool) -> int:
 
 def _is_single_file(path: str) -> bool:
     """A regular file that is not a .zip (those open as a study)."""
-    import os
-
     if not os.path.isfile(path):
         return False
     with open(path, "rb") as f:

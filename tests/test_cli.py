@@ -66,3 +66,16 @@ def test_a_well_formed_history_goes_into_the_prompt(tmp_path, capsys):
     assert main(["prompt", "Is there a mass?", "--profile", "llava-med", "--history", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.index("Is it a CT?") < out.index("Yes.") < out.index("Is there a mass?")
+
+
+def test_scan_refuses_a_file_and_a_pacs_together(capsys, picture):
+    assert main(["scan", str(picture), "--pacs-url", "http://127.0.0.1:9/dicom-web"]) == 2
+    assert "not both" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command", [["scan", "PATH"], ["scan", "PATH", "--json"], ["ask", "PATH", "Is there a mass?"]])
+def test_a_path_that_does_not_exist_is_said(tmp_path, capsys, command):
+    path = tmp_path / "no_such_scan.dcm"
+    assert main([str(path) if part == "PATH" else part for part in command]) == 2
+    assert one_error_line(capsys) == f"error: No such file or folder: {path}\n"
+
