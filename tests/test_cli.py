@@ -79,3 +79,9 @@ def test_a_path_that_does_not_exist_is_said(tmp_path, capsys, command):
     assert main([str(path) if part == "PATH" else part for part in command]) == 2
     assert one_error_line(capsys) == f"error: No such file or folder: {path}\n"
 
+
+def test_scan_of_a_picture_names_its_format_once(capsys, picture):
+    assert main(["scan", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.lower().startswith("format:")] == ["format: PNG"]
+
