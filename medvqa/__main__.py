@@ -119,6 +119,9 @@ def _settings(profile: str | None):
 def _print_prompt(args) -> int:
     from .prompt import FORMATS, PromptBuilder
 
+    if not args.question.strip():  # refused as `ask` refuses it
+        print("error: Please type a question about the image.", file=sys.stderr)
+        return 2
     settings = _settings(args.profile)
     if settings is None:
         return 2

@@ -85,3 +85,8 @@ def test_scan_of_a_picture_names_its_format_once(capsys, picture):
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.lower().startswith("format:")] == ["format: PNG"]
 
+
+@pytest.mark.parametrize("question", ["", "  \n"])
+def test_prompt_refuses_an_empty_question_as_ask_does(capsys, question):
+    assert main(["prompt", question, "--profile", "llava-med"]) == 2
+    assert one_error_line(capsys) == "error: Please type a question about the image.\n"
