@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal request otherwise
 
     from medvqa.config import load_settings
+    from medvqa.language_model import ModelMissingError
     from medvqa.pipeline import Pipeline
     from medvqa.retrieval import RetrievalError, ensure_default_index
     from medvqa.ui import auth_from_env, build_app, is_loopback, launch
@@ -56,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
               f"127.0.0.1, or pass --insecure-no-login if something else (a reverse proxy with its own login, "
               f"a port published on 127.0.0.1 only) guards it.", file=sys.stderr)
         return 2
-    settings = load_settings(args.profile)
+    try:
+        settings = load_settings(args.profile)
+    except (OSError, ValueError) as error:  # an unknown profile in MEDVQA_PROFILE, a bad setting or config file
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"Loading the {settings.profile!r} profile (a first start converts the decoder and builds the "
           f"retrieval index; this takes a few minutes once).", file=sys.stderr)
     with_retrieval = None
@@ -71,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         from medvqa.metrics import ServingMetrics
 
         metrics = ServingMetrics()
-    pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
+    try:
+        pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
+    except ModelMissingError as error:  # its message says how to get the weights; a traceback adds nothing
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if auth is None and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
     pacs = None

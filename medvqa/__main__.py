@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import PROFILES
@@ -48,18 +49,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="put N stand-in passages where retrieved literature goes")
 
     args = parser.parse_args(argv)
+    if args.command == "prompt":
+        return _print_prompt(args)
     if args.command == "scan" and args.pacs_url:
+        if args.file:  # one of them would be ignored without a word
+            print("error: scan reads a file, a folder or a .zip, or a study from --pacs-url, not both.",
+                  file=sys.stderr)
+            return 2
         return _scan_pacs(args.pacs_url, as_json=args.json)
     if args.command == "scan" and not args.file:
         parser.error("scan needs a file, a folder or a .zip, or --pacs-url")
+    path = args.file if args.command == "scan" else args.image
+    if not os.path.exists(path):  # said here, where the path is the user's own: the imaging package names no file
+        print(f"error: No such file or folder: {path}", file=sys.stderr)
+        return 2
     if args.command == "scan":
         from .imaging import cli_scan, cli_scan_study
 
         if args.json or not _is_single_file(args.file):
             return cli_scan_study(args.file, as_json=args.json)
         return cli_scan(args.file)
-    if args.command == "prompt":
-        return _print_prompt(args)
     return _ask(args)
 
 
@@ -89,36 +98,52 @@ def _scan_pacs(url: str, as_json: bool) -> int:
 
 def _is_single_file(path: str) -> bool:
     """A regular file that is not a .zip (those open as a study)."""
-    import os
-
     if not os.path.isfile(path):
         return False
     with open(path, "rb") as f:
         return not f.read(4).startswith((b"PK\x03\x04", b"PK\x05\x06"))
 
 
-def _print_prompt(args) -> int:
-    import json
-    from pathlib import Path
-
+def _settings(profile: str | None):
+    """The profile's settings, or None once a bad setting (an unknown profile, in --profile or
+    MEDVQA_PROFILE; an unreadable MEDVQA_CONFIG) is said in one line."""
     from .config import load_settings
-    from .prompt import FORMATS, PromptBuilder, Turn
 
-    settings = load_settings(args.profile)
+    try:
+        return load_settings(profile)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+
+
+def _print_prompt(args) -> int:
+    from .prompt import FORMATS, PromptBuilder
+
+    if not args.question.strip():  # refused as `ask` refuses it
+        print("error: Please type a question about the image.", file=sys.stderr)
+        return 2
+    settings = _settings(args.profile)
+    if settings is None:
+        return 2
     style = FORMATS[settings.decoder.conversation_format]
     tokenizer = None
     if style.uses_chat_template:  # the text comes from the decoder's own template
         from transformers import AutoTokenizer
 
-        from .language_model import hub_offline_env, resolve_decoder_folder
+        from .language_model import ModelMissingError, hub_offline_env, resolve_decoder_folder
 
         hub_offline_env(settings.offline)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_decoder_folder(settings.decoder, settings.cache_dir))
+        try:
+            folder = resolve_decoder_folder(settings.decoder, settings.cache_dir)
+        except ModelMissingError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
-        history = [Turn(turn["question"], turn["answer"]) for turn in
-                   json.loads(Path(args.history).read_text())] if args.history else []
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"error: --history needs a JSON list of {{\"question\", \"answer\"}} objects ({error})", file=sys.stderr)
+        history = _read_history(args.history) if args.history else []
+    except (OSError, ValueError) as error:
+        print(f'error: --history needs a JSON list of {{"question": "...", "answer": "..."}} objects ({error})',
+              file=sys.stderr)
         return 2
     passages = [_StandIn(f"(passage {n}: retrieved literature text)") for n in range(1, args.passages + 1)]
     if passages and settings.retrieval.prompt_gate == "never":
@@ -127,6 +152,24 @@ def _print_prompt(args) -> int:
     builder = PromptBuilder(tokenizer, 0, format=style)
     print(builder.render(builder.messages(args.question, history, passages)))
     return 0
+
+
+def _read_history(path: str) -> list:
+    """The turns in a --history file. Raises ValueError naming the first turn that is not a pair of
+    texts: anything else would reach the prompt builder and fail there with a traceback."""
+    import json
+    from pathlib import Path
+
+    from .prompt import Turn
+
+    turns = json.loads(Path(path).read_text())
+    if not isinstance(turns, list):
+        raise ValueError("the file holds no JSON list")
+    for number, turn in enumerate(turns, start=1):
+        if not (isinstance(turn, dict) and isinstance(turn.get("question"), str)
+                and isinstance(turn.get("answer"), str)):
+            raise ValueError(f"turn {number} is not an object whose question and answer are texts")
+    return [Turn(turn["question"], turn["answer"]) for turn in turns]
 
 
 class _StandIn:
@@ -138,9 +181,9 @@ class _StandIn:
 
 def _ask(args) -> int:
     from .confidence import confidence_text
-    from .config import load_settings
     from .imaging import ScanError, check_preset, open_study, parse_window
     from .injection import check_answer
+    from .language_model import ModelMissingError
     from .answer_head import open_note
     from .open_choices import choice_note
     from .presuppose import reading_text
@@ -156,8 +199,14 @@ def _ask(args) -> int:
     except ScanError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    settings = load_settings(args.profile)
-    pipeline = Pipeline.load(settings, with_retrieval=False if args.no_retrieval else None)
+    settings = _settings(args.profile)
+    if settings is None:
+        return 2
+    try:
+        pipeline = Pipeline.load(settings, with_retrieval=False if args.no_retrieval else None)
+    except ModelMissingError as error:  # its message says how to get the weights; a traceback adds nothing
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     conversation = pipeline.new_conversation(scan)
     mid_line = False  # the answer's last line is not ended yet
     try:

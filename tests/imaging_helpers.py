@@ -99,12 +99,13 @@ def slice_hu(index: int, size: int = 64) -> np.ndarray:
 
 
 def ct_series(count: int = 40, *, spacing: float = 2.5, first: float = -50.0, shuffle_seed: int | None = 0,
-              orientation=(1, 0, 0, 0, 1, 0), series_uid: str | None = None, placed: bool = True,
-              **attributes) -> list[bytes]:
+              orientation=(1, 0, 0, 0, 1, 0), series_uid: str | None = None, study_uid: str | None = None,
+              placed: bool = True, **attributes) -> list[bytes]:
     """`count` single-frame CT slices of one series with PLANTED patient data, as file bytes, in a
     shuffled order (`shuffle_seed` None: in position order). Slice i lies at `first` + i × `spacing` mm
-    along the normal and has InstanceNumber i + 1 (`placed` False: no position or orientation)."""
-    study_uid, series_uid = pydicom.uid.generate_uid(), series_uid or pydicom.uid.generate_uid()
+    along the normal and has InstanceNumber i + 1 (`placed` False: no position or orientation). Each
+    call makes a new study unless `study_uid` is given."""
+    study_uid, series_uid = study_uid or pydicom.uid.generate_uid(), series_uid or pydicom.uid.generate_uid()
     normal = np.cross(orientation[:3], orientation[3:])
     files = []
     for i in range(count):

@@ -184,3 +184,24 @@ def test_loopback_addresses():
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "192.168.1.10", "example.org"))
+
+
+def test_an_unknown_profile_or_a_missing_decoder_is_one_line(monkeypatch, capsys):
+    import app
+    from medvqa.language_model import ModelMissingError
+    from medvqa.pipeline import Pipeline
+
+    monkeypatch.delenv("MEDVQA_USERNAME", raising=False)
+    monkeypatch.delenv("MEDVQA_PASSWORD", raising=False)
+    monkeypatch.setenv("MEDVQA_PROFILE", "nosuch")
+    assert app.main([]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: Unknown profile 'nosuch'; choose one of offline, llava-med, tiny, tiny-llava-med.\n"
+
+    def missing(cls, *args, **kwargs):
+        raise ModelMissingError("The decoder 'x' is not available locally. Download it once.")
+
+    monkeypatch.setenv("MEDVQA_RETRIEVAL__ENABLED", "false")
+    monkeypatch.setattr(Pipeline, "load", classmethod(missing))
+    assert app.main(["--profile", "llava-med"]) == 2
+    assert capsys.readouterr().err.endswith("\nerror: The decoder 'x' is not available locally. Download it once.\n")

@@ -3,6 +3,7 @@ what is odd about a series said in words, and hostile archives refused before an
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import zipfile
@@ -108,6 +109,34 @@ def test_gaps_and_duplicate_positions_are_said():
     uid = pydicom.uid.generate_uid()
     doubled = open_study(ct_series(5, series_uid=uid) + ct_series(2, series_uid=uid)).series[0]
     assert doubled.frame_count == 7 and "4 slices share their position" in doubled.warnings[0]
+
+
+def test_copies_of_a_file_are_skipped_with_a_note():
+    """A file selected twice, or the same instance exported again with other tags, is one slice; an
+    instance whose pixels differ under the same SOP Instance UID shows something else and is kept."""
+    files = ct_series(6, shuffle_seed=None)
+    study = open_study(files + files[:2])
+    assert [s.frame_count for s in study.series] == [6] and study.series[0].warnings == []
+    assert study.notes == ["Skipped 2 files: a duplicate of another file in the upload."]
+
+    again = pydicom.dcmread(io.BytesIO(files[3]))
+    again.InstitutionName = "Another export"
+    assert open_study(files + [dicom_bytes(again)]).notes == [
+        "Skipped 1 file: a duplicate of another file in the upload."]
+    again.PixelData = (again.pixel_array + 1).astype("<u2").tobytes()
+    changed = open_study(files + [dicom_bytes(again)])
+    assert changed.series[0].frame_count == 7 and changed.notes == []
+
+
+def test_files_from_several_studies_are_said_without_naming_them():
+    first, second = pydicom.uid.generate_uid(), pydicom.uid.generate_uid()
+    study = open_study(ct_series(6, study_uid=first) + ct_series(4, study_uid=second, first=100))
+    assert [s.frame_count for s in study.series] == [6, 4]
+    assert study.notes == ["These files come from 2 different studies, so perhaps from different patients: "
+                           "check that they belong together."]
+    seen = " ".join([repr(study), *(repr(s._slices) for s in study.series)])
+    assert first not in seen and second not in seen
+    assert open_study(ct_series(6, study_uid=first) + ct_series(4, study_uid=first, first=100)).notes == []
 
 
 def test_a_folder_of_files_that_are_not_dicom_gets_a_message(tmp_path):

@@ -132,7 +132,11 @@ def test_cli_scan_prints_safe_meta_window_and_frames(tmp_path, capsys):
     assert cli_scan(str(path)) == 0
     out = capsys.readouterr().out
     assert "Modality: CT" in out and "window: the file's own window (C 40 / W 400)" in out
-    assert "frames: 1 (showing frame 0)" in out
+    assert "frames: 1 (showing frame 1 of 1)" in out
+    frames = tmp_path / "frames.dcm"
+    frames.write_bytes(dicom_bytes(make_dicom(np.tile(np.arange(10)[:, None, None] * 100, (1, 16, 16)))))
+    assert cli_scan(str(frames)) == 0
+    assert "frames: 10 (showing frame 6 of 10)" in capsys.readouterr().out  # 1-based, as `ask --slice` counts
 
     (tmp_path / "page.html").write_bytes(b"<html></html>")
     assert cli_scan(str(tmp_path / "page.html")) == 2
@@ -148,4 +152,4 @@ def test_python_m_medvqa_scan(tmp_path):
     result = subprocess.run([sys.executable, "-m", "medvqa", "scan", str(path)], capture_output=True,
                             text=True, cwd=REPO, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-500:]
-    assert "Format: PNG" in result.stdout and "frames: 1" in result.stdout
+    assert "format: PNG" in result.stdout and "frames: 1" in result.stdout

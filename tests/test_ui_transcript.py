@@ -96,3 +96,18 @@ def test_passage_fields_leave_in_the_exports_escaped_as_on_the_page():
     assert "**Warning:** Caution: this answer repeats an instruction" in markdown
     turn = json.loads(as_json)["turns"][0]
     assert turn["injection"]["kinds"] == ["instruction"] and "Caution" in turn["injection"]["warning"]
+
+
+def test_a_question_of_several_lines_stays_in_its_heading():
+    """A question typed with Shift+Enter is one heading line in the Markdown (its lines joined with
+    " / "), and the JSON keeps it as typed."""
+    scan = SimpleNamespace(frame_index=0, series=None, describe_window=lambda: "lung window (C -600 / W 1500)")
+    question = "Line one of the question:\r\n\n  Is the liver enlarged?\u2028# and the spleen?"
+    turn = _Answer(question, scan, text="No.").record()
+    source = SimpleNamespace(source_format="dicom", frame_count=1, safe_meta={"Modality": "CT"})
+    record = _transcript_record(SimpleNamespace(source=source, study=None, turns=[turn]),
+                                SimpleNamespace(profile="tiny"))
+    markdown = export_markdown(record)
+    assert ("\n## 1. Line one of the question: / Is the liver enlarged? / \\# and the spleen?\n\n- Window: "
+            in markdown)
+    assert json.loads(_transcript_json(record))["turns"][0]["question"] == question

@@ -9,10 +9,11 @@ metadata is taken (deid.py), and the parsed upload, identifying tags and all, is
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydicom import dcmread
@@ -81,22 +82,37 @@ def _open_dicom_placed(raw: bytes, limits: ScanLimits) -> tuple[ScanSource, _Pla
 @dataclass(frozen=True)
 class _Placement:
     """Where a slice lies: what grouping and ordering a series needs, and nothing else. The series
-    key is a UID: it is compared inside this package (series.py) and never leaves it."""
+    and study keys are UIDs: they are compared inside this package (series.py) and never leave it."""
 
-    series_key: str  # SeriesInstanceUID, "" when absent
+    series_key: str = field(repr=False)  # SeriesInstanceUID, "" when absent
+    study_key: str = field(repr=False)  # StudyInstanceUID, "" when absent
     orientation: tuple[float, ...] | None  # ImageOrientationPatient: row and column direction cosines
     position: tuple[float, ...] | None  # ImagePositionPatient (mm): the first pixel's centre
     instance_number: int | None
+    copy_key: bytes | None = field(repr=False)  # a digest of SOPInstanceUID and pixel data, equal for copies
 
 
 def _placement(ds: Dataset) -> _Placement:
     instance = _value_or_none(ds, "InstanceNumber")
     return _Placement(
         series_key=str(_value_or_none(ds, "SeriesInstanceUID") or ""),
+        study_key=str(_value_or_none(ds, "StudyInstanceUID") or ""),
         orientation=_numbers(_value_or_none(ds, "ImageOrientationPatient"), 6),
         position=_numbers(_value_or_none(ds, "ImagePositionPatient"), 3),
         instance_number=int(instance) if isinstance(instance, int) and not isinstance(instance, bool) else None,
+        copy_key=_copy_key(ds),
     )
+
+
+def _copy_key(ds: Dataset) -> bytes | None:
+    """Equal for two files of one image (the same SOP Instance UID and pixel data) whatever their other
+    attributes: a copy exported again with other tags is still a copy, while an instance whose pixels
+    differ shows something else and is kept. A digest, so that no UID is kept; None without a UID."""
+    uid = str(_value_or_none(ds, "SOPInstanceUID") or "")
+    pixels = next((_value_or_none(ds, keyword) for keyword in _PIXEL_DATA_KEYWORDS if keyword in ds), None)
+    if not uid or not isinstance(pixels, bytes):
+        return None
+    return hashlib.sha256(uid.encode() + b"\0" + pixels).digest()
 
 
 def _numbers(value: Any, count: int) -> tuple[float, ...] | None:

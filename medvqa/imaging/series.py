@@ -10,8 +10,10 @@ kept) and ordered by position along the slice normal: ImagePositionPatient · (r
 direction of ImageOrientationPatient). Without positions, or when the slices lie in different
 planes, they fall back to InstanceNumber, and the series says so; gaps and duplicate positions are
 said too. A multi-frame file is a series of its own, its frames the slices. Objects without an
-image (reports, presentation states), damaged and non-DICOM files are skipped with a note. Each
-file goes through the same opener, and so the same allow-list, as a single upload.
+image (reports, presentation states), damaged and non-DICOM files, and copies of a file already in
+the upload (the same bytes, or the same SOP Instance UID and pixel data) are skipped with a note;
+files from several studies (StudyInstanceUID, compared like the series') get a note that says how
+many. Each file goes through the same opener, and so the same allow-list, as a single upload.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .windowing import Window
 _SAME_MM = 0.01  # positions closer than this are the same position
 _SAME_DIRECTION = 1e-3  # direction cosines closer than this are the same orientation
 _GAP_FACTOR = 1.5  # a spacing this much wider than the usual one is a gap
+_COPY = "a duplicate of another file in the upload"
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Series:
 @dataclass
 class Study:
     series: list[Series]  # the largest first
-    notes: list[str]  # files skipped, and why, in words: never a file name
+    notes: list[str]  # files from several studies, files skipped and why, in words: never a file name or UID
 
 
 def open_study(data: bytes | str | os.PathLike | Sequence[bytes | str | os.PathLike],
@@ -137,6 +140,8 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
     groups: dict[str, list[_Slice]] = {}
     single: list[_Slice] = []  # multi-frame files: a series each
     skipped: Counter[str] = Counter()
+    files_seen: set[bytes] = set()  # a file selected twice is not decoded twice
+    copies_seen: set[bytes] = set()
     for order, raw in enumerate(files):
         if len(files) == 1:  # one file: its own message, as a single upload gets
             source, placement = _open_dicom_placed(raw, limits)
@@ -145,6 +150,10 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
                 if raw[128:132] != b"DICM":
                     skipped["not a DICOM file"] += 1
                     continue
+                if raw in files_seen:
+                    skipped[_COPY] += 1
+                    continue
+                files_seen.add(raw)
                 source, placement = _open_dicom_placed(raw, limits)
             except _NoImage as error:
                 skipped[f"{error.what} (no image)"] += 1
@@ -156,6 +165,11 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
                 skipped["a DICOM file that could not be read"] += 1
                 continue
         source.forget_decoded()
+        if placement.copy_key is not None:
+            if placement.copy_key in copies_seen:  # the same image again, perhaps with other tags
+                skipped[_COPY] += 1
+                continue
+            copies_seen.add(placement.copy_key)
         if source.frame_count > 1:
             single.append(_Slice(source, 0, placement, order))
         else:
@@ -164,6 +178,11 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
     if not groups and not single:
         raise ScanError(f"None of the {len(files)} file{'s' if len(files) > 1 else ''} in this upload is a DICOM "
                         f"image. {' '.join(notes)}")
+    kept = single + [s for members in groups.values() for s in members]
+    studies = len({s.placement.study_key for s in kept} - {""})
+    if studies > 1:  # counted, never named: a UID identifies the study
+        notes.insert(0, f"These files come from {studies} different studies, so perhaps from different patients: "
+                        "check that they belong together.")
     ordered = [_ordered(members) for members in groups.values()]
     ordered += [([_Slice(s.source, frame, None, s.order) for frame in range(s.source.frame_count)],
                  [None] * s.source.frame_count, []) for s in single]

@@ -39,11 +39,12 @@ def cli_scan(path: str) -> int:
     except ScanError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"format: {scan.source_format}")
-    for key, value in scan.safe_meta.items():
+    meta = dict(scan.safe_meta)
+    print(f"format: {meta.pop('Format', scan.source_format)}")  # a picture's metadata names its format too
+    for key, value in meta.items():
         print(f"{key}: {value}")
     print(f"window: {scan.describe_window()}")
-    print(f"frames: {scan.frame_count} (showing frame {scan.frame_index})")
+    print(f"frames: {scan.frame_count} (showing frame {scan.frame_index + 1} of {scan.frame_count})")  # as --slice
     return 0
 
 

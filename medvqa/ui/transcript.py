@@ -65,7 +65,7 @@ def export_markdown(record: dict) -> str:
                 f", {record['scan']['frames']} frame(s)") + ".", ""]
     for number, turn in enumerate(record["turns"], start=1):
         # Question and answer are escaped like in the chat: a link the model wrote stays text.
-        lines += [f"## {number}. {_escape_model_text(turn['question'])}", "",
+        lines += [f"## {number}. {_heading(turn['question'])}", "",
                   f"- Window: {turn['window']}; {_markdown_place(turn)}", "",
                   _escape_model_text(turn["answer"]) or "_(no answer)_", ""]
         if turn["stopped"]:
@@ -91,6 +91,12 @@ def export_markdown(record: dict) -> str:
         elif not turn["stopped"]:
             lines += [f"No literature support. {turn.get('note', '')}".strip(), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _heading(question: str) -> str:
+    """The question on the one line a Markdown heading has: the lines of a question typed with
+    Shift+Enter joined with " / " (the JSON keeps them as typed), so none falls out of the heading."""
+    return " / ".join(_escape_model_text(line.strip()) for line in question.splitlines() if line.strip())
 
 
 def _markdown_place(turn: dict) -> str:

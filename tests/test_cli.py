@@ -1,0 +1,92 @@
+"""`python -m medvqa` (medvqa/__main__.py): what goes wrong is said on one `error:` line with exit
+status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from medvqa.__main__ import main
+
+from .imaging_helpers import encode
+
+
+@pytest.fixture
+def picture(tmp_path):
+    path = tmp_path / "chest.png"
+    path.write_bytes(encode(Image.fromarray(np.full((32, 32), 90, np.uint8)), "PNG"))
+    return path
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_decoder_not_downloaded_is_one_line(monkeypatch, capsys, picture):
+    from medvqa.language_model import ModelMissingError
+    from medvqa.pipeline import Pipeline
+
+    def missing(cls, *args, **kwargs):
+        raise ModelMissingError("The decoder 'x' of profile 'llava-med' is not available locally. Download it once.")
+
+    monkeypatch.setattr(Pipeline, "load", classmethod(missing))
+    assert main(["ask", str(picture), "Is there a mass?", "--profile", "llava-med", "--no-retrieval"]) == 2
+    assert "is not available locally. Download it once." in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command", [["ask", "IMAGE", "Is there a mass?"], ["prompt", "Is there a mass?"]])
+def test_an_unknown_profile_in_the_environment_is_one_line(monkeypatch, capsys, picture, command):
+    monkeypatch.setenv("MEDVQA_PROFILE", "nosuch")
+    assert main([str(picture) if part == "IMAGE" else part for part in command]) == 2
+    assert "Unknown profile 'nosuch'; choose one of offline" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("history, problem", [
+    ([{"question": None, "answer": 5}], "turn 1 is not an object whose question and answer are texts"),
+    ([{"question": "Is it a CT?", "answer": "Yes."}, "No."], "turn 2 is not an object"),
+    ({"question": "Is it a CT?", "answer": "Yes."}, "the file holds no JSON list"),
+    ([{"q": "Is it a CT?"}], "turn 1 is not an object"),
+])
+def test_a_malformed_history_says_what_shape_is_expected(tmp_path, capsys, history, problem):
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(history))
+    assert main(["prompt", "Is there a mass?", "--profile", "llava-med", "--history", str(path)]) == 2
+    err = one_error_line(capsys)
+    assert '--history needs a JSON list of {"question": "...", "answer": "..."} objects' in err and problem in err
+
+
+def test_a_well_formed_history_goes_into_the_prompt(tmp_path, capsys):
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps([{"question": "Is it a CT?", "answer": "Yes."}]))
+    assert main(["prompt", "Is there a mass?", "--profile", "llava-med", "--history", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("Is it a CT?") < out.index("Yes.") < out.index("Is there a mass?")
+
+
+def test_scan_refuses_a_file_and_a_pacs_together(capsys, picture):
+    assert main(["scan", str(picture), "--pacs-url", "http://127.0.0.1:9/dicom-web"]) == 2
+    assert "not both" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("command", [["scan", "PATH"], ["scan", "PATH", "--json"], ["ask", "PATH", "Is there a mass?"]])
+def test_a_path_that_does_not_exist_is_said(tmp_path, capsys, command):
+    path = tmp_path / "no_such_scan.dcm"
+    assert main([str(path) if part == "PATH" else part for part in command]) == 2
+    assert one_error_line(capsys) == f"error: No such file or folder: {path}\n"
+
+
+def test_scan_of_a_picture_names_its_format_once(capsys, picture):
+    assert main(["scan", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.lower().startswith("format:")] == ["format: PNG"]
+
+
+@pytest.mark.parametrize("question", ["", "  \n"])
+def test_prompt_refuses_an_empty_question_as_ask_does(capsys, question):
+    assert main(["prompt", question, "--profile", "llava-med"]) == 2
+    assert one_error_line(capsys) == "error: Please type a question about the image.\n"
