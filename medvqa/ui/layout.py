@@ -54,6 +54,7 @@ _CSS = """
 .medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
 #medvqa-frame input[type=range]:focus-visible, #medvqa-center input[type=range]:focus-visible,
 #medvqa-width input[type=range]:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
+.medvqa-sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); margin: 0; }
 .medvqa-skip { position: absolute; left: -10000px; }
 .medvqa-skip:focus { position: static; }
 """
@@ -110,7 +111,8 @@ _PAGE_JS = """
     shown = seen;
     messages = rows.length;
     if (scrolled) return;
-    if (last.classList.contains("bot-row") && last.offsetHeight > log.clientHeight - 32) {
+    // "Taller": with the chat's label above it and the answer's buttons below, it would not show whole.
+    if (last.classList.contains("bot-row") && last.offsetHeight > log.clientHeight - 96) {
       const top = last.getBoundingClientRect().top - log.getBoundingClientRect().top + log.scrollTop;
       const target = Math.max(0, Math.round(top - 32));  // the answer's first line, clear of the chat's label
       if (Math.abs(log.scrollTop - target) > 1) log.scrollTop = target;
@@ -169,6 +171,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         session = gr.State(None, delete_callback=_close_session)
         with gr.Row():
             with gr.Column(scale=5):
+                gr.HTML('<h2 class="medvqa-sr-only">Scan</h2>', padding=False)  # headings to move by
                 upload = gr.File(label=f"Scan: DICOM, PNG, JPEG or TIFF, or a .zip of a series' DICOM files (up to "
                                        f"{max_upload_mb:g} MB)",
                                  file_count="single", type="filepath", height=140, elem_id="medvqa-upload")
@@ -197,7 +200,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                     meta = gr.JSON(show_label=False, elem_id="medvqa-meta")
             with gr.Column(scale=7):
                 # Each message its own bubble: an error after an answer is not read as part of it.
-                chatbot = gr.Chatbot(label="Conversation", height=520, elem_id="medvqa-chat",
+                # At most 520 px, less on a short screen (a 720 px laptop keeps the question box in view).
+                gr.HTML('<h2 class="medvqa-sr-only">Conversation</h2>', padding=False)
+                chatbot = gr.Chatbot(label="Conversation", height="min(520px, 55vh)", elem_id="medvqa-chat",
                                      latex_delimiters=[], feedback_options=None, buttons=["copy"],
                                      group_consecutive_messages=False,
                                      placeholder="Upload a scan, then ask a question about it.")
