@@ -45,10 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt.add_argument("--profile", choices=PROFILES, default=None)
     prompt.add_argument("--history", default=None,
                         help='earlier turns: a JSON file [{"question": ..., "answer": ...}, ...]')
-    prompt.add_argument("--passages", type=int, default=0,
+    prompt.add_argument("--passages", type=_count, default=0,
                         help="put N stand-in passages where retrieved literature goes")
 
     args = parser.parse_args(argv)
+    if getattr(args, "window", None) is not None and not args.window.strip():
+        parser.error("--window needs a value: auto, file, a CT preset name, or CENTER,WIDTH")
     if args.command == "prompt":
         return _print_prompt(args)
     if args.command == "scan" and args.pacs_url:
@@ -94,6 +96,14 @@ def _scan_pacs(url: str, as_json: bool) -> int:
             print(f"Series {summary['series']}: {summary['modality']}, {summary['slices']} slices"
                   + "".join(f"\n  warning: {warning}" for warning in summary["warnings"]))
     return 0
+
+
+def _count(text: str) -> int:
+    """A number of things: 0 or more (argparse says so when it is not)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not 0 or more")
+    return value
 
 
 def _is_single_file(path: str) -> bool:
@@ -202,6 +212,9 @@ def _ask(args) -> int:
     settings = _settings(args.profile)
     if settings is None:
         return 2
+    if settings.profile.startswith("tiny"):
+        print(f"(the {settings.profile} profile's models are random weights for tests: its answers mean nothing)",
+              file=sys.stderr)
     try:
         pipeline = Pipeline.load(settings, with_retrieval=False if args.no_retrieval else None)
     except ModelMissingError as error:  # its message says how to get the weights; a traceback adds nothing

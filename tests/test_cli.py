@@ -90,3 +90,20 @@ def test_scan_of_a_picture_names_its_format_once(capsys, picture):
 def test_prompt_refuses_an_empty_question_as_ask_does(capsys, question):
     assert main(["prompt", question, "--profile", "llava-med"]) == 2
     assert one_error_line(capsys) == "error: Please type a question about the image.\n"
+
+
+def test_an_empty_window_and_a_negative_passage_count_are_refused(capsys, picture):
+    for argv in (["ask", str(picture), "Is there a mass?", "--window", " "],
+                 ["prompt", "Is there a mass?", "--passages", "-3"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+    assert "--window needs a value" in capsys.readouterr().err
+
+
+def test_ask_on_a_tiny_profile_says_its_answers_mean_nothing(capsys, monkeypatch, picture, tiny_pipeline):
+    from medvqa.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    assert main(["ask", str(picture), "Is there a mass?", "--profile", "tiny", "--no-retrieval"]) == 0
+    assert "random weights for tests: its answers mean nothing" in capsys.readouterr().err
