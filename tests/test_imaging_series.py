@@ -4,6 +4,7 @@ what is odd about a series said in words, and hostile archives refused before an
 from __future__ import annotations
 
 import io
+import io
 import json
 import logging
 import zipfile
@@ -145,6 +146,15 @@ def test_a_folder_of_files_that_are_not_dicom_gets_a_message(tmp_path):
     with pytest.raises(ScanError, match=r"None of the 3 files in this upload is a DICOM image\. "
                                         r"Skipped 3 files: not a DICOM file\."):
         open_study(tmp_path)
+
+
+def test_an_image_whose_pixel_data_is_cut_off_is_noted_as_unreadable_not_as_holding_no_image():
+    slices = ct_series(3)
+    cut = pydicom.dcmread(io.BytesIO(slices[0]))
+    del cut.PixelData
+    study = open_study([dicom_bytes(cut), *slices[1:]])
+    assert study.series[0].frame_count == 2
+    assert study.notes == ["Skipped 1 file: a DICOM file that could not be read."], study.notes
 
 
 def test_a_single_file_keeps_its_own_message():

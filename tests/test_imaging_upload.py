@@ -96,7 +96,7 @@ BAD_INPUTS = {
     "dicom in jpeg-xl": (lambda: dicom_with_syntax("1.2.840.10008.1.2.4.110"),
                          "This DICOM file is compressed as JPEG-XL, which is not supported"),
     "dicom in mpeg-4": (lambda: dicom_with_syntax("1.2.840.10008.1.2.4.102"), "compressed as MPEG-4"),
-    "dicom without pixel data": (dicom_without_pixels, "holds no image"),
+    "an image without its pixel data": (dicom_without_pixels, "whose pixel data is missing: the file is damaged"),
     "structured report": (lambda: dicom_without_pixels("1.2.840.10008.5.1.4.1.1.88.33"),
                           "This DICOM file is a Structured Report and holds no image"),
     "dicom without preamble": (lambda: ct_from_hu()[132:], "without the standard file header"),

@@ -176,6 +176,11 @@ def _refuse_non_image(ds: Dataset) -> None:
         what = "a waveform recording (such as an ECG)"
     elif sop.startswith("1.2.840.10008.5.1.4.1.1.481."):
         what = "a radiotherapy object"
+    elif _is_known_uid(sop) and "Image Storage" in UID(sop).name:
+        # An image object without its pixels: cut short in transfer or on disk, not a kind without images
+        # (in a series, noted as a file that could not be read).
+        raise ScanError(f"This DICOM file is a '{UID(sop).name}' object whose pixel data is missing: the file "
+                        "is damaged or incomplete.")
     elif _is_known_uid(sop):
         what = f"a '{UID(sop).name}' object"
     else:
