@@ -16,10 +16,10 @@ A slow or hostile archive costs its own user time, no one else's, and a bounded 
   covers all the requests it makes (`PacsLimits`); at the deadline the transfer is cut, a request
   waiting for its answer gives up, and the clinician reads what happened;
 - one answer is read as it arrives and never past its limit: a QIDO answer is taken entry by entry up
-  to `max_answer_entries` / `max_answer_bytes`, at most `max_studies` distinct studies and
-  `max_series` distinct series are taken from a Find (so at most 1 + `max_studies` requests), and an
-  instance or a series past the upload limits (ScanLimits.max_bytes, max_total_bytes, max_files) is
-  refused while it arrives, not after it was read whole;
+  to `max_answer_entries` / `max_answer_bytes`, at most `max_series` distinct series are taken from a
+  Find (of one study: at most 2 requests), and an instance or a series past the upload limits
+  (ScanLimits.max_bytes, max_total_bytes, max_files) is refused while it arrives, not after it was
+  read whole;
 - a redirect is followed only to the archive's own origin (scheme, host and port), three at most;
 - `cancel` (a threading.Event, set when the tab goes away) stops the transfer: no request starts
   after it is set, and the one in progress is cut.
@@ -66,7 +66,7 @@ class PacsLimits:
     connect_s: float = 5.0  # to open a connection to the archive
     find_s: float = 40.0  # one Find, all its queries together
     open_s: float = 300.0  # one Open: every instance of the series
-    max_studies: int = 10  # distinct studies taken from an accession number's answer
+    max_studies: int = 10  # distinct studies counted in an accession number's answer (more than one is refused)
     max_series: int = 200  # distinct series listed for one Find
     max_answer_entries: int = 5_000  # entries read from one QIDO answer (copies of one study included)
     max_answer_bytes: int = 4 * 2**20  # bytes read from one QIDO answer
@@ -109,8 +109,9 @@ class Pacs:
 
     def find_series(self, identifier: str, cancel: threading.Event | None = None) -> FoundSeries:
         """The series of the study named by `identifier` (a Study Instance UID, or else an accession
-        number). Raises PacsError when nothing is found, the archive cannot be reached, or the Find
-        runs past its deadline or is cancelled."""
+        number). Raises PacsError when nothing is found, when an accession number names several studies
+        (their series are never listed as one study's), when the archive cannot be reached, or when the
+        Find runs past its deadline or is cancelled."""
         identifier = (identifier or "").strip()
         limits = self.limits
         if _UID.fullmatch(identifier) and len(identifier) <= 64:
@@ -121,49 +122,48 @@ class Pacs:
             raise PacsError("Please type a Study Instance UID (digits and dots) or an accession number "
                             "(up to 16 letters and digits).")
         with _Transfer(self, limits.find_s, cancel, "search") as transfer:
-            capped = False
-            if by_uid:
-                studies = [identifier]
-            else:
-                studies = []
-                answer = transfer.json_entries("/studies", [("AccessionNumber", identifier),
-                                                            ("includefield", "StudyInstanceUID"),
-                                                            ("limit", str(limits.max_answer_entries))])
-                for entry in answer:
-                    uid = _value(entry, _STUDY_UID)
-                    if isinstance(uid, str) and _UID.fullmatch(uid) and uid not in studies:
-                        if len(studies) == limits.max_studies:
-                            capped = True
-                            break
-                        studies.append(uid)
-                capped = capped or answer.capped
+            study, capped = (identifier, False) if by_uid else self._study_of_accession(transfer, identifier)
             listed, seen = FoundSeries(), set()
-            for study in studies:
-                if len(listed) >= limits.max_series:
+            answer = transfer.json_entries(f"/studies/{quote(study)}/series",
+                                           [("includefield", "Modality"),
+                                            ("includefield", "NumberOfSeriesRelatedInstances"),
+                                            ("limit", str(limits.max_answer_entries))]) if study else _Answer()
+            for item in answer:
+                series_uid = _value(item, _SERIES_UID)
+                if not isinstance(series_uid, str) or not _UID.fullmatch(series_uid) or series_uid in seen:
+                    continue
+                if len(listed) == limits.max_series:
                     capped = True
                     break
-                answer = transfer.json_entries(f"/studies/{quote(study)}/series",
-                                               [("includefield", "Modality"),
-                                                ("includefield", "NumberOfSeriesRelatedInstances"),
-                                                ("limit", str(limits.max_answer_entries))])
-                for item in answer:
-                    series_uid = _value(item, _SERIES_UID)
-                    if not isinstance(series_uid, str) or not _UID.fullmatch(series_uid) or series_uid in seen:
-                        continue
-                    if len(listed) == limits.max_series:
-                        capped = True
-                        break
-                    seen.add(series_uid)
-                    modality = str(_value(item, _MODALITY) or "")
-                    count = _value(item, _COUNT)
-                    listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
-                                               int(count) if isinstance(count, (int, float)) and count >= 0 else 0,
-                                               (study, series_uid)))
-                capped = capped or answer.capped
+                seen.add(series_uid)
+                modality = str(_value(item, _MODALITY) or "")
+                count = _value(item, _COUNT)
+                listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
+                                           int(count) if isinstance(count, (int, float)) and count >= 0 else 0,
+                                           (study, series_uid)))
         if not listed:
             raise PacsError("No study with that identifier was found in the PACS.")
-        listed.capped = capped
+        listed.capped = capped or answer.capped
         return listed
+
+    def _study_of_accession(self, transfer: _Transfer, accession: str) -> tuple[str | None, bool]:
+        """The Study Instance UID of the one study with this accession number (None when there is
+        none), and whether the answer was left unread past its caps. Several studies are refused:
+        their series are never listed as one study's, since they may be different patients'."""
+        limits = self.limits
+        answer = transfer.json_entries("/studies", [("AccessionNumber", accession),
+                                                    ("includefield", "StudyInstanceUID"),
+                                                    ("limit", str(limits.max_answer_entries))])
+        studies: list[str] = []
+        for entry in answer:
+            uid = _value(entry, _STUDY_UID)
+            if isinstance(uid, str) and _UID.fullmatch(uid) and uid not in studies:
+                studies.append(uid)
+                if len(studies) > limits.max_studies:
+                    break
+        if len(studies) > 1:
+            raise PacsError(_several_studies(len(studies), limits.max_studies))
+        return (studies[0] if studies else None), answer.capped
 
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
               limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> Study:
@@ -412,6 +412,15 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 def _shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):  # already closed: nothing to cut
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def _several_studies(count: int, counted: int) -> str:
+    """The refusal of an accession number that names several studies (accession numbers are unique
+    only within the system that issued them, and some archives match them regardless of case). It
+    names no study: the clinician knows which one they mean, and types its Study Instance UID."""
+    many = f"More than {counted}" if count > counted else str(count)
+    return (f"{many} studies have this accession number, so none was listed (they may belong to different "
+            "patients). Type the Study Instance UID of the study you mean.")
 
 
 def _status_message(status: int) -> str:

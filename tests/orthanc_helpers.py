@@ -3,7 +3,8 @@
 `orthanc` starts /usr/sbin/Orthanc on a free loopback port with a temporary storage folder and a
 generated configuration (DICOM networking off, HTTP basic login on), loads the synthetic CT series
 of tests/imaging_helpers.py (planted patient data, stored in shuffled order) through its REST API,
-and stops it after the module. scripts/install.sh --dev installs `orthanc` and `orthanc-dicomweb`;
+and two more studies that share another accession number (as studies from two issuers may), and
+stops it after the module. scripts/install.sh --dev installs `orthanc` and `orthanc-dicomweb`;
 without the binary the tests skip and say so.
 """
 
@@ -25,6 +26,7 @@ ORTHANC = Path("/usr/sbin/Orthanc")
 DICOMWEB_PLUGIN = Path("/usr/share/orthanc/plugins/libOrthancDicomWeb.so")  # from `dpkg -L orthanc-dicomweb`
 USER, PASSWORD = "pacs-reader", "pacs-test-password"
 SLICES = 40
+SHARED_ACCESSION = "SHAREDACC7"  # the accession number of two other studies
 
 
 @dataclass
@@ -33,6 +35,7 @@ class RunningOrthanc:
     dicomweb: str  # DICOMweb root (QIDO-RS, WADO-RS)
     study_uid: str
     accession: str
+    shared_study_uids: list[str]  # the two studies with SHARED_ACCESSION
     storage: Path
     log: Path
 
@@ -75,13 +78,20 @@ def orthanc(tmp_path_factory):
             if process.poll() is not None or time.time() > deadline:
                 pytest.fail(f"Orthanc did not start:\n{log.read_text()[-2000:]}")
             time.sleep(0.2)
-        files = ct_series(SLICES)  # shuffled: stored in an order other than the slices'
-        for data in files:
-            response = httpx.post(f"{url}/instances", content=data, auth=auth, timeout=30)
-            assert response.status_code == 200, response.text
-        (study,) = httpx.get(f"{url}/studies", auth=auth).json()
-        tags = httpx.get(f"{url}/studies/{study}", auth=auth).json()["MainDicomTags"]
-        yield RunningOrthanc(url, f"{url}/dicom-web", tags["StudyInstanceUID"], PLANTED["AccessionNumber"],
-                             root / "storage", log)
+
+        def store(files: list[bytes]) -> str:
+            for data in files:
+                response = httpx.post(f"{url}/instances", content=data, auth=auth, timeout=30)
+                assert response.status_code == 200, response.text
+            return response.json()["ParentStudy"]
+
+        def study_uid(study: str) -> str:
+            return httpx.get(f"{url}/studies/{study}", auth=auth).json()["MainDicomTags"]["StudyInstanceUID"]
+
+        planted = store(ct_series(SLICES))  # shuffled: stored in an order other than the slices'
+        shared = [store(ct_series(count, AccessionNumber=SHARED_ACCESSION, PatientID=f"OTHER-{count}"))
+                  for count in (5, 7)]
+        yield RunningOrthanc(url, f"{url}/dicom-web", study_uid(planted), PLANTED["AccessionNumber"],
+                             [study_uid(study) for study in shared], root / "storage", log)
     finally:
         stop_process(process)

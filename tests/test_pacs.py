@@ -17,7 +17,7 @@ import pytest
 from medvqa.pacs import ENV_PASSWORD, ENV_USERNAME, Pacs, PacsError
 
 from .imaging_helpers import PLANTED
-from .orthanc_helpers import PASSWORD, SLICES, USER, orthanc  # noqa: F401 - fixture
+from .orthanc_helpers import PASSWORD, SHARED_ACCESSION, SLICES, USER, orthanc  # noqa: F401 - fixture
 from .ui_helpers import (QUESTION, client, decoded_image, text_of, ui_pipeline, ui_settings,  # noqa: F401
                          upload_folder)
 
@@ -63,6 +63,22 @@ def test_refusals_say_what_went_wrong_without_quoting_the_identifier(orthanc, ca
         Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series("<script>")
     assert not leaked(orthanc, caplog.text + str(refused.value) + str(unknown.value))
     assert "1.2.3.4.5.6.7" not in caplog.text
+
+
+def test_an_accession_number_of_two_studies_lists_neither_and_asks_for_the_study_uid(orthanc, caplog):  # noqa: F811
+    """Accession numbers are unique only per issuer (and Orthanc matches them regardless of case): the
+    series of two studies, maybe two patients', are never listed as one study's."""
+    caplog.set_level(logging.DEBUG)
+    pacs = Pacs(orthanc.dicomweb, env=CREDENTIALS)
+    for typed in (SHARED_ACCESSION, SHARED_ACCESSION.lower()):
+        with pytest.raises(PacsError, match="^2 studies have this accession number.* Type the Study Instance "
+                                            "UID") as refused:
+            pacs.find_series(typed)
+        said = str(refused.value) + caplog.text
+        assert SHARED_ACCESSION not in said.upper() and not [uid for uid in orthanc.shared_study_uids if uid in said]
+    for uid, slices in zip(orthanc.shared_study_uids, (5, 7)):
+        (found,) = pacs.find_series(uid)
+        assert found.slices == slices
 
 
 def test_the_command_line_reads_the_identifier_from_stdin(orthanc, monkeypatch, capsys):  # noqa: F811
@@ -123,3 +139,8 @@ def test_the_app_refuses_an_unknown_study_and_keeps_serving(orthanc, pacs_app): 
     assert "Find a study in the PACS first" in text_of(chat[-1])
     _, _, status, *_ = c.predict(orthanc.study_uid, api_name="/pacs_find")
     assert "Found 1 series" in status
+    _, choices, status = c.predict(SHARED_ACCESSION, api_name="/pacs_find")
+    assert "2 studies have this accession number" in status and SHARED_ACCESSION not in status
+    assert not choices["choices"]
+    *_, chat = c.predict(1, api_name="/pacs_load")  # the series found before are no longer offered
+    assert "Find a study in the PACS first" in text_of(chat[-1])

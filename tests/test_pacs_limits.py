@@ -45,11 +45,14 @@ def test_a_reply_listing_one_study_600000_times_costs_two_requests(archive):
     assert study.series[0].frame_count == 3
 
 
-def test_studies_and_series_taken_from_one_answer_are_capped(archive):
+def test_an_answer_naming_several_studies_is_counted_up_to_the_cap_and_refused(archive):
     archive.behaviour.study_copies, archive.behaviour.distinct_studies = 5_000, 50
-    found = Pacs(archive.url, limits=PacsLimits(max_studies=4)).find_series("ACC-1")
-    assert len(found) == 1 and found.capped  # every study lists the same series: listed once
-    assert len(archive.requests) == 1 + 4
+    with pytest.raises(PacsError, match="^More than 4 studies have this accession number"):
+        Pacs(archive.url, limits=PacsLimits(max_studies=4)).find_series("ACC-1")
+    archive.behaviour.distinct_studies = 3
+    with pytest.raises(PacsError, match="^3 studies have this accession number"):
+        Pacs(archive.url).find_series("ACC-1")
+    assert len(archive.requests) == 2  # no series query: the studies' series are never listed together
 
 
 def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
@@ -95,7 +98,7 @@ def test_waiting_on_the_archive_holds_up_no_one_s_decoding(archive):
 
 
 def test_cancelling_stops_the_transfer_and_no_request_follows(archive):
-    archive.behaviour.study_copies, archive.behaviour.distinct_studies = 10, 10
+    archive.behaviour.study_copies = 10  # one study: a series query would follow the first
     archive.behaviour.hold, cancel, outcome = threading.Event(), threading.Event(), {}
 
     def find():
