@@ -122,7 +122,7 @@ class Pacs:
             raise PacsError("Please type a Study Instance UID (digits and dots) or an accession number "
                             "(up to 16 letters and digits).")
         with _Transfer(self, limits.find_s, cancel, "search") as transfer:
-            study, capped = (identifier, False) if by_uid else self._study_of_accession(transfer, identifier)
+            study, capped = self._one_study(transfer, identifier, by_uid)
             listed, seen = FoundSeries(), set()
             answer = transfer.json_entries(f"/studies/{quote(study)}/series",
                                            [("includefield", "Modality"),
@@ -146,21 +146,27 @@ class Pacs:
         listed.capped = capped or answer.capped
         return listed
 
-    def _study_of_accession(self, transfer: _Transfer, accession: str) -> tuple[str | None, bool]:
-        """The Study Instance UID of the one study with this accession number (None when there is
-        none), and whether the answer was left unread past its caps. Several studies are refused:
-        their series are never listed as one study's, since they may be different patients'."""
+    def _one_study(self, transfer: _Transfer, identifier: str, by_uid: bool) -> tuple[str | None, bool]:
+        """The Study Instance UID of the one study the identifier names (None when there is none), and
+        whether the answer was left unread past its caps. A Study Instance UID is searched for too,
+        not only taken as given: an empty answer is the archive's "no such study", while a 404 on its
+        study search means the address is not a DICOMweb server's (see `_status_message`). Several
+        studies with one accession number are refused: their series are never listed as one study's,
+        since they may be different patients'."""
         limits = self.limits
-        answer = transfer.json_entries("/studies", [("AccessionNumber", accession),
-                                                    ("includefield", "StudyInstanceUID"),
+        key = "StudyInstanceUID" if by_uid else "AccessionNumber"
+        answer = transfer.json_entries("/studies", [(key, identifier), ("includefield", "StudyInstanceUID"),
                                                     ("limit", str(limits.max_answer_entries))])
         studies: list[str] = []
         for entry in answer:
             uid = _value(entry, _STUDY_UID)
-            if isinstance(uid, str) and _UID.fullmatch(uid) and uid not in studies:
-                studies.append(uid)
-                if len(studies) > limits.max_studies:
-                    break
+            if not isinstance(uid, str) or not _UID.fullmatch(uid) or uid in studies:
+                continue
+            if by_uid and uid != identifier:  # an archive that ignored the key: not the study asked for
+                continue
+            studies.append(uid)
+            if len(studies) > limits.max_studies:
+                break
         if len(studies) > 1:
             raise PacsError(_several_studies(len(studies), limits.max_studies))
         return (studies[0] if studies else None), answer.capped
@@ -286,7 +292,7 @@ class _Transfer:
             raise PacsError("The PACS redirected the request too many times.")
         try:
             if response.status_code >= 400:
-                raise PacsError(_status_message(response.status_code))
+                raise PacsError(_status_message(response.status_code, path))
             yield response
         finally:
             response.close()
@@ -423,9 +429,15 @@ def _several_studies(count: int, counted: int) -> str:
             "patients). Type the Study Instance UID of the study you mean.")
 
 
-def _status_message(status: int) -> str:
+def _status_message(status: int, path: str) -> str:
+    """What an HTTP error on `path` means. An archive with no such study answers its study search
+    with an empty result (200 or 204); a 404 on the search itself means the address is wrong, which
+    the administrator must fix and the clinician should not take for a missing study."""
     return ("The PACS refused the credentials (set MEDVQA_PACS_USERNAME and MEDVQA_PACS_PASSWORD, "
             "or MEDVQA_PACS_TOKEN)." if status in (401, 403) else
+            "The PACS address does not answer as a DICOMweb server: it has no study search (QIDO-RS "
+            "/studies). Ask the administrator to check the PACS URL (--pacs-url)." if status == 404
+            and path == "/studies" else
             "No study with that identifier was found in the PACS." if status == 404 else
             "The PACS is busy and did not take the request; try again later." if status in (429, 503) else
             "The PACS could not be reached or did not answer as a DICOMweb server does.")

@@ -59,6 +59,9 @@ def test_refusals_say_what_went_wrong_without_quoting_the_identifier(orthanc, ca
         Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series("1.2.3.4.5.6.7")
     with pytest.raises(PacsError, match="could not be reached"):
         Pacs("http://127.0.0.1:9/dicom-web", env=CREDENTIALS).find_series(orthanc.study_uid)
+    for identifier in (orthanc.study_uid, orthanc.accession):  # Orthanc itself, but not its DICOMweb root
+        with pytest.raises(PacsError, match="does not answer as a DICOMweb server"):
+            Pacs(orthanc.url + "/not-dicomweb", env=CREDENTIALS).find_series(identifier)
     with pytest.raises(PacsError, match="Please type a Study Instance UID"):
         Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series("<script>")
     assert not leaked(orthanc, caplog.text + str(refused.value) + str(unknown.value))
@@ -92,6 +95,19 @@ def test_the_command_line_reads_the_identifier_from_stdin(orthanc, monkeypatch, 
     (series,) = json.loads(out)["series"]
     assert series["slices"] == SLICES and series["positions_mm"] == [-50 + 2.5 * i for i in range(SLICES)]
     assert not leaked(orthanc, out + err)
+
+
+def test_the_command_line_tells_a_wrong_address_from_a_missing_study(orthanc, monkeypatch, capsys):  # noqa: F811
+    from medvqa.__main__ import main
+
+    monkeypatch.setenv(ENV_USERNAME, USER)
+    monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+    for url, said in ((orthanc.dicomweb, "No study with that identifier"),
+                      (orthanc.url + "/not-dicomweb", "does not answer as a DICOMweb server")):
+        monkeypatch.setattr("sys.stdin", io.StringIO("NOSUCHACC1\n"))
+        assert main(["scan", "--pacs-url", url, "--json"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and said in err and "NOSUCHACC1" not in err
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,17 @@ def test_an_answer_naming_several_studies_is_counted_up_to_the_cap_and_refused(a
     assert len(archive.requests) == 2  # no series query: the studies' series are never listed together
 
 
+def test_an_address_that_is_no_dicomweb_server_is_not_taken_for_a_missing_study(archive):
+    """An empty search (204 here, 200 with [] from Orthanc) is "no such study"; a 404 on the study
+    search itself is a wrong address, for the administrator to fix."""
+    archive.behaviour.study_copies = 0
+    for identifier in ("ACC-1", FAKE.STUDY_UID):
+        with pytest.raises(PacsError, match="^No study with that identifier was found"):
+            Pacs(archive.url).find_series(identifier)
+        with pytest.raises(PacsError, match="^The PACS address does not answer as a DICOMweb server"):
+            Pacs(archive.url.replace("/dicom-web", "/not-dicomweb")).find_series(identifier)
+
+
 def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
     archive.behaviour.instances, archive.behaviour.instance_padding = [CT] * 40, 8 * 2**20  # 40 × 8 MB
     (series,) = Pacs(archive.url).find_series(FAKE.STUDY_UID)
