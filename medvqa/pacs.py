@@ -1,6 +1,6 @@
 """Opening a study from a PACS over DICOMweb: QIDO-RS to find its series, WADO-RS to fetch one.
 
-    Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, slices)]   (allow-listed)
+    Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, instances, frames)] (allow-listed)
     Pacs(url).fetch(series, progress, cancel)  ─▶ Study (medvqa.imaging: the same allow-list as an upload)
 
 The identifier a clinician types (a Study Instance UID or an accession number) is used for the query
@@ -52,7 +52,7 @@ from .pacs_stream import PacsError, multipart_bodies, multipart_boundary, read_w
 
 ENV_USERNAME, ENV_PASSWORD, ENV_TOKEN = "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN"
 _UID = re.compile(r"[0-9]+(\.[0-9]+)+")
-_MODALITY, _STUDY_UID, _SERIES_UID, _COUNT = "00080060", "0020000D", "0020000E", "00201209"
+_MODALITY, _STUDY_UID, _SERIES_UID, _COUNT, _FRAMES = "00080060", "0020000D", "0020000E", "00201209", "00280008"
 _ACCESSION = re.compile(r"[A-Za-z0-9 ._/-]{1,16}")  # DICOM SH: 16 characters
 _CHUNK = 64 * 1024
 _MAX_REDIRECTS = 3
@@ -76,10 +76,18 @@ class PacsLimits:
 class RemoteSeries:
     number: int  # 1, 2, ... in the order listed
     modality: str  # a defined term, else ""
-    slices: int
+    instances: int  # its images (DICOM instances): what a Load fetches
+    frames: int = 1  # frames of an image, where the archive reports NumberOfFrames (of one of them); else 1
     _uids: tuple[str, str] = field(repr=False, default=("", ""))  # (study, series): to fetch, never shown
 
+    @property
+    def slices(self) -> int:
+        """What the viewer scrolls once the series is loaded: one multi-frame image's frames, else its images."""
+        return self.frames if self.instances == 1 else self.instances
+
     def describe(self) -> str:
+        if self.instances > 1 and self.frames > 1:  # they open as a series each, as uploaded ones do
+            return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.instances} multi-frame images"
         return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.slices} " \
                f"slice{'s' if self.slices != 1 else ''}"
 
@@ -127,6 +135,7 @@ class Pacs:
             answer = transfer.json_entries(f"/studies/{quote(study)}/series",
                                            [("includefield", "Modality"),
                                             ("includefield", "NumberOfSeriesRelatedInstances"),
+                                            ("includefield", "NumberOfFrames"),  # else a cine counts as 1
                                             ("limit", str(limits.max_answer_entries))]) if study else _Answer()
             for item in answer:
                 series_uid = _value(item, _SERIES_UID)
@@ -137,9 +146,8 @@ class Pacs:
                     break
                 seen.add(series_uid)
                 modality = str(_value(item, _MODALITY) or "")
-                count = _value(item, _COUNT)
                 listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
-                                           int(count) if isinstance(count, (int, float)) and count >= 0 else 0,
+                                           _count(_value(item, _COUNT), 0), max(1, _count(_value(item, _FRAMES), 1)),
                                            (study, series_uid)))
         if not listed:
             raise PacsError("No study with that identifier was found in the PACS.")
@@ -183,7 +191,7 @@ class Pacs:
             for part in transfer.dicom_parts(f"/studies/{quote(study)}/series/{quote(series_uid)}", limits):
                 files.append(part)
                 if progress is not None:
-                    progress(len(files), max(series.slices, len(files)))
+                    progress(len(files), max(series.instances, len(files)))
         if not files:
             raise PacsError("The PACS returned no instances for that series.")
         try:
@@ -441,6 +449,15 @@ def _status_message(status: int, path: str) -> str:
             "No study with that identifier was found in the PACS." if status == 404 else
             "The PACS is busy and did not take the request; try again later." if status in (429, 503) else
             "The PACS could not be reached or did not answer as a DICOMweb server does.")
+
+
+def _count(value, absent: int) -> int:
+    """An IS count from a QIDO answer (an int, or a string some archives send), else `absent`."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return absent
+    return count if count >= 0 else absent
 
 
 def _value(item: dict, tag: str):

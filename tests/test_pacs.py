@@ -17,7 +17,7 @@ import pytest
 from medvqa.pacs import ENV_PASSWORD, ENV_USERNAME, Pacs, PacsError
 
 from .imaging_helpers import PLANTED
-from .orthanc_helpers import PASSWORD, SHARED_ACCESSION, SLICES, USER, orthanc  # noqa: F401 - fixture
+from .orthanc_helpers import MULTI_ACCESSION, PASSWORD, SHARED_ACCESSION, SLICES, USER, orthanc  # noqa: F401
 from .ui_helpers import (QUESTION, client, decoded_image, text_of, ui_pipeline, ui_settings,  # noqa: F401
                          upload_folder)
 
@@ -49,6 +49,15 @@ def test_find_by_study_uid_and_accession_and_fetch_in_position_order(orthanc, ca
     (series,) = study.series
     assert series.positions_mm == [-50 + 2.5 * i for i in range(SLICES)] and series.warnings == []
     assert not leaked(orthanc, caplog.text + repr(study) + json.dumps(series.summary()))
+
+
+def test_a_multi_frame_image_is_listed_with_its_frames(orthanc):  # noqa: F811
+    found = Pacs(orthanc.dicomweb, env=CREDENTIALS).find_series(MULTI_ACCESSION)
+    assert sorted((item.instances, item.slices) for item in found) == [(1, 10), (6, 6), (20, 20)]
+    (multi_frame,) = [item for item in found if item.instances == 1]
+    assert multi_frame.describe().endswith(": CT, 10 slices")  # as the viewer counts them once it is loaded
+    study = Pacs(orthanc.dicomweb, env=CREDENTIALS).fetch(multi_frame)
+    assert study.series[0].frame_count == 10
 
 
 def test_refusals_say_what_went_wrong_without_quoting_the_identifier(orthanc, caplog):  # noqa: F811

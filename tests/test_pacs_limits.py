@@ -66,6 +66,16 @@ def test_an_address_that_is_no_dicomweb_server_is_not_taken_for_a_missing_study(
             Pacs(archive.url.replace("/dicom-web", "/not-dicomweb")).find_series(identifier)
 
 
+def test_series_of_multi_frame_images_are_listed_as_images():
+    """The frames an archive reports (NumberOfFrames, of one image) count for an image alone; several
+    multi-frame images open as a series each, as uploaded ones do, and are listed as images."""
+    from medvqa.pacs import RemoteSeries
+
+    assert RemoteSeries(2, "US", 1, 30).describe() == "Series 2: US, 30 slices"
+    assert RemoteSeries(3, "US", 4, 30).describe() == "Series 3: US, 4 multi-frame images"
+    assert RemoteSeries(4, "CT", 1).describe() == "Series 4: CT, 1 slice"
+
+
 def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
     archive.behaviour.instances, archive.behaviour.instance_padding = [CT] * 40, 8 * 2**20  # 40 × 8 MB
     (series,) = Pacs(archive.url).find_series(FAKE.STUDY_UID)

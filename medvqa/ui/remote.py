@@ -98,9 +98,10 @@ class _PacsHandlers:
         if chosen is None:
             return self.handlers.viewer_unchanged(session, _error_message("Find a study in the PACS first, then "
                                                                           "choose one of its series."))
+        unit = "slices" if chosen.slices == chosen.instances else "images"  # a multi-frame image arrives whole
         try:
             with self._transfer(request) as cancel:
-                study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit="slices"),
+                study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit=unit),
                                         limits=self.handlers.limits, cancel=cancel)
             source = study.series[0]
             scan = source.render()
