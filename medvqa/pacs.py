@@ -74,7 +74,7 @@ class PacsLimits:
 
 @dataclass
 class RemoteSeries:
-    number: int  # 1, 2, ... in the order listed
+    number: int  # 1, 2, ...: as an upload of the study numbers its series (the most slices first), kept once loaded
     modality: str  # a defined term, else ""
     instances: int  # its images (DICOM instances): what a Load fetches
     frames: int = 1  # frames of an image, where the archive reports NumberOfFrames (of one of them); else 1
@@ -151,6 +151,11 @@ class Pacs:
                                            (study, series_uid)))
         if not listed:
             raise PacsError("No study with that identifier was found in the PACS.")
+        # Listed and numbered as an upload of the study lists them (medvqa.imaging.series), so that a
+        # series has one number whichever way the study was opened.
+        listed.sort(key=lambda item: -item.slices)  # stable: else in the archive's order
+        for number, item in enumerate(listed, start=1):
+            item.number = number
         listed.capped = capped or answer.capped
         return listed
 
@@ -182,8 +187,9 @@ class Pacs:
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
               limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> Study:
         """Fetch the series' instances as they arrive (`progress(done, total)` after each) and open them
-        as a study, through the same allow-list as an upload. An instance past `limits.max_bytes`, or a
-        series past `limits.max_total_bytes` or `limits.max_files`, is refused while it arrives."""
+        as a study of that one series, numbered as the PACS list numbers it, through the same allow-list
+        as an upload. An instance past `limits.max_bytes`, or a series past `limits.max_total_bytes` or
+        `limits.max_files`, is refused while it arrives."""
         limits = limits or ScanLimits()
         study, series_uid = series._uids
         files: list[bytes] = []
@@ -195,9 +201,16 @@ class Pacs:
         if not files:
             raise PacsError("The PACS returned no instances for that series.")
         try:
-            return open_study(files, limits)  # decoded under imaging's guard, after the network is done
+            opened = open_study(files, limits)  # decoded under imaging's guard, after the network is done
         except ScanError as error:
             raise PacsError(f"The series could not be opened: {error}") from None
+        # The viewer, the chat and the export name it by the PACS list's number. Multi-frame images open
+        # as a series each (as uploaded ones do); they have no number of their own there, so one is shown.
+        shown, *others = opened.series
+        shown.number = series.number
+        notes = opened.notes + ([f"This series of the PACS holds {len(opened.series)} multi-frame images; the "
+                                 "longest is shown. To see the others, open their files."] if others else [])
+        return Study([shown], notes)
 
 
 class _Answer(list):

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from medvqa.imaging import open_study
 from medvqa.pacs import ENV_PASSWORD, ENV_USERNAME, Pacs, PacsError
 
 from .imaging_helpers import PLANTED
@@ -58,6 +59,26 @@ def test_a_multi_frame_image_is_listed_with_its_frames(orthanc):  # noqa: F811
     assert multi_frame.describe().endswith(": CT, 10 slices")  # as the viewer counts them once it is loaded
     study = Pacs(orthanc.dicomweb, env=CREDENTIALS).fetch(multi_frame)
     assert study.series[0].frame_count == 10
+
+
+def test_series_are_numbered_as_an_upload_of_the_study_numbers_them(orthanc, monkeypatch, capsys):  # noqa: F811
+    """The most slices first, as an upload of the same files lists them (not in the archive's order),
+    and the number stays with the series once it is loaded, and from the command line."""
+    from medvqa.__main__ import main
+
+    uploaded = [series.describe() for series in open_study(orthanc.multi_series).series]
+    assert uploaded == ["Series 1: CT, 20 slices", "Series 2: CT, 10 slices", "Series 3: CT, 6 slices"]
+    pacs = Pacs(orthanc.dicomweb, env=CREDENTIALS)
+    found = pacs.find_series(MULTI_ACCESSION)
+    assert [item.describe() for item in found] == uploaded
+    (loaded,) = pacs.fetch(found[2]).series
+    assert loaded.describe() == uploaded[2] and loaded.render().series == 3
+    monkeypatch.setenv(ENV_USERNAME, USER)
+    monkeypatch.setenv(ENV_PASSWORD, PASSWORD)
+    monkeypatch.setattr("sys.stdin", io.StringIO(MULTI_ACCESSION + "\n"))
+    assert main(["scan", "--pacs-url", orthanc.dicomweb, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["series"]
+    assert [(series["series"], series["slices"]) for series in listed] == [(1, 20), (2, 10), (3, 6)]
 
 
 def test_refusals_say_what_went_wrong_without_quoting_the_identifier(orthanc, caplog):  # noqa: F811
@@ -154,6 +175,24 @@ def test_the_app_opens_the_study_and_nothing_identifying_leaves(orthanc, pacs_ap
     for path in written:  # nothing of the study on disk where the app writes
         data = path.read_bytes()
         assert not [s for s in secrets(orthanc) if s.encode() in data], path
+
+
+def test_the_app_names_a_series_by_its_number_in_the_pacs_list(orthanc, pacs_app):  # noqa: F811
+    """The number the PACS panel lists a series under is the viewer's, the series picker's, the
+    chat's and the export's."""
+    c = client(pacs_app)
+    _, choices, _ = c.predict(MULTI_ACCESSION, api_name="/pacs_find")
+    assert [choice for choice, _ in choices["choices"]] == [series.describe() for series in
+                                                            open_study(orthanc.multi_series).series]
+    viewer, *_ = c.predict(3, api_name="/pacs_load")
+    assert "series 3 · slice 4 of 6" in viewer
+    viewer, *_ = c.predict(3, api_name="/set_series")  # the picker holds it under that number
+    assert "series 3 · slice 4 of 6" in viewer
+    c.predict(QUESTION, api_name="/ask")
+    _, markdown, as_json = c.predict(api_name="/export")
+    record = json.loads(as_json)
+    assert record["scan"]["series"] == [{"series": 3, "modality": "CT", "slices": 6}]
+    assert record["turns"][0]["series"] == 3 and "series 3, slice 4 of 6" in markdown
 
 
 def test_the_app_refuses_an_unknown_study_and_keeps_serving(orthanc, pacs_app):  # noqa: F811
