@@ -1,7 +1,7 @@
 """Opening a study from a PACS over DICOMweb: QIDO-RS to find its series, WADO-RS to fetch one.
 
     Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, instances, frames)] (allow-listed)
-    Pacs(url).fetch(series, progress, cancel)  ─▶ Study (medvqa.imaging: the same allow-list as an upload)
+    Pacs(url).fetch(series, progress, cancel)  ─▶ RemoteStudy (medvqa.imaging: the same allow-list as an upload)
 
 The identifier a clinician types (a Study Instance UID or an accession number) is used for the query
 only: it is never logged, shown back, kept or exported. urllib3 logs request URLs (which hold it), so
@@ -90,6 +90,13 @@ class RemoteSeries:
             return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.instances} multi-frame images"
         return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.slices} " \
                f"slice{'s' if self.slices != 1 else ''}"
+
+
+@dataclass
+class RemoteStudy(Study):
+    """A study from the PACS: the series loaded from it so far, each under the PACS list's number."""
+
+    _uid: str = field(default="", repr=False)  # its Study Instance UID: to tell another study's series, never shown
 
 
 class FoundSeries(list):
@@ -185,7 +192,7 @@ class Pacs:
         return (studies[0] if studies else None), answer.capped
 
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
-              limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> Study:
+              limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> RemoteStudy:
         """Fetch the series' instances as they arrive (`progress(done, total)` after each) and open them
         as a study of that one series, numbered as the PACS list numbers it, through the same allow-list
         as an upload. An instance past `limits.max_bytes`, or a series past `limits.max_total_bytes` or
@@ -210,7 +217,7 @@ class Pacs:
         shown.number = series.number
         notes = opened.notes + ([f"This series of the PACS holds {len(opened.series)} multi-frame images; the "
                                  "longest is shown. To see the others, open their files."] if others else [])
-        return Study([shown], notes)
+        return RemoteStudy([shown], notes, study)
 
 
 class _Answer(list):

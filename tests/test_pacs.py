@@ -195,6 +195,26 @@ def test_the_app_names_a_series_by_its_number_in_the_pacs_list(orthanc, pacs_app
     assert record["turns"][0]["series"] == 3 and "series 3, slice 4 of 6" in markdown
 
 
+def test_another_series_of_the_study_shown_joins_it_and_the_conversation_goes_on(orthanc, pacs_app):  # noqa: F811
+    """As in an upload, where the series picker switches series: a Load from the study shown adds its
+    series; a Load from another study starts a new conversation."""
+    c = client(pacs_app)
+    c.predict(MULTI_ACCESSION, api_name="/pacs_find")
+    c.predict(3, api_name="/pacs_load")
+    c.predict(QUESTION, api_name="/ask")
+    viewer, *_, chat = c.predict(1, api_name="/pacs_load")
+    assert "series 1 · slice 11 of 20" in viewer and "new conversation" not in json.dumps(chat)
+    c.predict(QUESTION, api_name="/ask")
+    viewer, *_ = c.predict(3, api_name="/set_series")
+    assert "series 3 · slice 4 of 6" in viewer
+    record = json.loads(c.predict(api_name="/export")[2])
+    assert [turn["series"] for turn in record["turns"]] == [3, 1]
+    assert [series["series"] for series in record["scan"]["series"]] == [1, 3]
+    c.predict(orthanc.accession, api_name="/pacs_find")
+    *_, chat = c.predict(1, api_name="/pacs_load")
+    assert "A new scan starts a new conversation: the previous one (2 answers" in text_of(chat[-1])
+
+
 def test_the_app_refuses_an_unknown_study_and_keeps_serving(orthanc, pacs_app):  # noqa: F811
     c = client(pacs_app)
     _, choices, status, *_ = c.predict("1.2.3.4.5.6.7", api_name="/pacs_find")
