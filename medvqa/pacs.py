@@ -22,7 +22,9 @@ A slow or hostile archive costs its own user time, no one else's, and a bounded 
   read whole;
 - a redirect is followed only to the archive's own origin (scheme, host and port), three at most;
 - `cancel` (a threading.Event, set when the tab goes away) stops the transfer: no request starts
-  after it is set, and the one in progress is cut.
+  after it is set, and the one in progress is cut;
+- an Open that has received nothing for `stall_note_s` says so once (`stalled`), so that the
+  clinician reads that the archive is not answering rather than watch the time count.
 
 Why not dicomweb-client: it reads a QIDO answer whole, retries a timed-out request five times, parses
 every instance with pydicom while it reads (so the parse would run outside the decode guard, or the
@@ -35,6 +37,7 @@ or MEDVQA_PACS_TOKEN (a bearer token).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -66,6 +69,7 @@ class PacsLimits:
     connect_s: float = 5.0  # to open a connection to the archive
     find_s: float = 40.0  # one Find, all its queries together
     open_s: float = 300.0  # one Open: every instance of the series
+    stall_note_s: float = 15.0  # an Open that has received nothing for this long says so (it goes on waiting)
     max_studies: int = 10  # distinct studies counted in an accession number's answer (more than one is refused)
     max_series: int = 200  # distinct series listed for one Find
     max_answer_entries: int = 5_000  # entries read from one QIDO answer (copies of one study included)
@@ -192,15 +196,18 @@ class Pacs:
         return (studies[0] if studies else None), answer.capped
 
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
-              limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> RemoteStudy:
+              limits: ScanLimits | None = None, cancel: threading.Event | None = None,
+              stalled: Callable[[float], None] | None = None) -> RemoteStudy:
         """Fetch the series' instances as they arrive (`progress(done, total)` after each) and open them
         as a study of that one series, numbered as the PACS list numbers it, through the same allow-list
         as an upload. An instance past `limits.max_bytes`, or a series past `limits.max_total_bytes` or
-        `limits.max_files`, is refused while it arrives."""
+        `limits.max_files`, is refused while it arrives. `stalled(seconds)` is called, from another
+        thread, once nothing has arrived for `PacsLimits.stall_note_s` (again after data resumes and
+        stalls anew)."""
         limits = limits or ScanLimits()
         study, series_uid = series._uids
         files: list[bytes] = []
-        with _Transfer(self, self.limits.open_s, cancel, "download") as transfer:
+        with _Transfer(self, self.limits.open_s, cancel, "download", stalled) as transfer:
             for part in transfer.dicom_parts(f"/studies/{quote(study)}/series/{quote(series_uid)}", limits):
                 files.append(part)
                 if progress is not None:
@@ -231,7 +238,8 @@ class _Transfer:
     transfer's sockets at the deadline or on cancellation, so that a read blocked on a silent archive
     (waiting for an answer, or for the rest of one) ends at once."""
 
-    def __init__(self, pacs: Pacs, budget_s: float, cancel: threading.Event | None, what: str):
+    def __init__(self, pacs: Pacs, budget_s: float, cancel: threading.Event | None, what: str,
+                 stalled: Callable[[float], None] | None = None):
         import requests
 
         self.pacs = pacs
@@ -243,6 +251,9 @@ class _Transfer:
         self._lock = threading.Lock()
         self._cut = False
         self._done = threading.Event()
+        self._stalled = stalled
+        self._last_data = time.monotonic()  # when a request was sent or a piece of an answer arrived
+        self._stall_said = False
         self.session = requests.Session()
         self.session.trust_env = False  # no proxy or .netrc from the environment: the URL given is the archive
         for scheme in ("http://", "https://"):
@@ -251,7 +262,9 @@ class _Transfer:
             self.session.auth = pacs._auth
         self.session.headers.update(pacs._headers)
         self._origin = _origin(pacs.url)
-        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="medvqa-pacs-watchdog")
+        # In a copy of the caller's context: `stalled` may need it (Gradio finds a handler's progress bar there).
+        self._watchdog = threading.Thread(target=contextvars.copy_context().run, args=(self._watch,), daemon=True,
+                                          name="medvqa-pacs-watchdog")
 
     def __enter__(self) -> _Transfer:
         self._watchdog.start()
@@ -277,6 +290,11 @@ class _Transfer:
                     for sock in self._sockets:
                         _shut(sock)
                 return
+            silent_s = time.monotonic() - self._last_data
+            if self._stalled is not None and not self._stall_said and silent_s >= self.pacs.limits.stall_note_s:
+                self._stall_said = True
+                with contextlib.suppress(Exception):  # a note only: it must not end the watch over the deadline
+                    self._stalled(silent_s)
             self.cancel.wait(min(0.2, max(0.0, self.deadline - time.monotonic())))
 
     def check(self) -> None:
@@ -331,6 +349,7 @@ class _Transfer:
             with _quiet_logs():
                 for chunk in response.iter_content(_CHUNK):
                     self.check()
+                    self._last_data, self._stall_said = time.monotonic(), False
                     yield chunk
         except PacsError:
             raise

@@ -16,6 +16,7 @@ from medvqa.pacs import Pacs, PacsError, PacsLimits
 
 from .conftest import load_script
 from .imaging_helpers import encode
+from .ui_helpers import client, ui_pipeline, ui_settings, upload_folder  # noqa: F401 - fixtures
 
 FAKE = load_script("fake_archive")
 CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
@@ -82,6 +83,45 @@ def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
     with pytest.raises(PacsError, match="larger than the 2.0 MB upload limit"):
         Pacs(archive.url).fetch(series, limits=ScanLimits(max_bytes=2 * 2**20))
     assert archive.sent_bytes < 64 * 2**20  # of 320 MB
+
+
+def test_a_stalled_load_says_so_once_and_goes_on_when_the_archive_answers(archive):
+    (series,) = Pacs(archive.url).find_series("ACC-1")
+    archive.behaviour.hold, said = threading.Event(), []
+    threading.Timer(1.5, archive.behaviour.hold.set).start()  # the archive answers after 1.5 s
+    study = Pacs(archive.url, limits=PacsLimits(stall_note_s=0.5)).fetch(series, stalled=said.append)
+    assert len(said) == 1 and 0.5 <= said[0] < 1.5 and study.series[0].frame_count == 3
+    said.clear()
+    Pacs(archive.url, limits=PacsLimits(stall_note_s=0.5)).fetch(series, stalled=said.append)
+    assert said == []  # an archive that answers at once is not said to stall
+
+
+def test_the_page_shows_the_stall_note_in_the_load_s_progress(archive, ui_pipeline, ui_settings,  # noqa: F811
+                                                              upload_folder):  # noqa: F811
+    """The note is given from the transfer's watchdog thread, which must see the handler's context
+    for Gradio to find its progress bar."""
+    from medvqa.ui import build_app, launch
+
+    demo = build_app(ui_pipeline, ui_settings, max_upload_mb=1,
+                     pacs=Pacs(archive.url, env={}, limits=PacsLimits(stall_note_s=0.5)))
+    _, url, _ = launch(demo, port=None, max_upload_mb=1, block=False, quiet=True)
+    try:
+        c = client(url)
+        c.predict("ACC-1", api_name="/pacs_find")
+        archive.behaviour.hold = threading.Event()
+        job = c.submit(1, api_name="/pacs_load")
+        notes = []
+        for _ in range(100):
+            notes = [unit.desc for unit in job.status().progress_data or [] if unit.desc]
+            if notes:
+                break
+            threading.Event().wait(0.1)
+        archive.behaviour.hold.set()
+        assert "series 1 · slice 2 of 3" in job.result()[0]
+        assert notes and notes[0].startswith("The PACS has sent nothing for ") and "Still waiting" in notes[0]
+    finally:
+        archive.behaviour.hold.set()
+        demo.close()
 
 
 def test_a_redirect_to_another_server_is_not_followed(archive):

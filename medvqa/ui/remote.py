@@ -100,10 +100,21 @@ class _PacsHandlers:
             return self.handlers.viewer_unchanged(session, _error_message("Find a study in the PACS first, then "
                                                                           "choose one of its series."))
         unit = "slices" if chosen.slices == chosen.instances else "images"  # a multi-frame image arrives whole
+        arrived = [0, chosen.instances]  # the progress last shown: the stall note keeps it
+
+        def show_progress(done: int, total: int) -> None:
+            arrived[:] = done, total
+            progress((done, total), unit=unit)  # without a description: a stall note goes once data comes
+
+        def stalled(seconds: float) -> None:
+            note = (f"The PACS has sent nothing for {seconds:.0f} s. Still waiting (the Load gives up after "
+                    f"{self.pacs.limits.open_s:.0f} s).")
+            progress(tuple(arrived), unit=unit, desc=note)
+
         try:
             with self._transfer(request) as cancel:
-                study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit=unit),
-                                        limits=self.handlers.limits, cancel=cancel)
+                study = self.pacs.fetch(chosen, progress=show_progress, limits=self.handlers.limits, cancel=cancel,
+                                        stalled=stalled)
             source = study.series[0]
             scan = source.render()
             current = session.study if session is not None else None
