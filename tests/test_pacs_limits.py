@@ -5,6 +5,7 @@ Behaviour only: the time figures are scripts/bench_pacs.py's."""
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pydicom.data
@@ -22,9 +23,22 @@ FAKE = load_script("fake_archive")
 CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
 
 
+def ct_instances(count: int) -> list[bytes]:
+    """`count` instances of CT_small.dcm, each with its own SOP Instance UID: copies of one file would
+    open as one slice (an upload skips them)."""
+    files = []
+    for _ in range(count):
+        ds = pydicom.dcmread(io.BytesIO(CT))
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = pydicom.uid.generate_uid()
+        buffer = io.BytesIO()
+        ds.save_as(buffer)
+        files.append(buffer.getvalue())
+    return files
+
+
 @pytest.fixture
 def archive():
-    with FAKE.FakeArchive(FAKE.Behaviour(instances=[CT] * 3)) as running:
+    with FAKE.FakeArchive(FAKE.Behaviour(instances=ct_instances(3))) as running:
         yield running
 
 
