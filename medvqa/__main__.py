@@ -87,8 +87,7 @@ def _scan_pacs(url: str, as_json: bool) -> int:
     except (PacsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summaries = [dict(series.summary(), series=number) for number, study in enumerate(studies, start=1)
-                 for series in study.series]
+    summaries = [dict(series.summary(), series=series.number) for study in studies for series in study.series]
     if as_json:
         print(json.dumps({"series": summaries, "notes": [note for study in studies for note in study.notes]}))
     else:

@@ -1,7 +1,7 @@
 """Opening a study from a PACS over DICOMweb: QIDO-RS to find its series, WADO-RS to fetch one.
 
-    Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, slices)]   (allow-listed)
-    Pacs(url).fetch(series, progress, cancel)  ─▶ Study (medvqa.imaging: the same allow-list as an upload)
+    Pacs(url).find_series(identifier, cancel) ─▶ [RemoteSeries(number, modality, instances, frames)] (allow-listed)
+    Pacs(url).fetch(series, progress, cancel)  ─▶ RemoteStudy (medvqa.imaging: the same allow-list as an upload)
 
 The identifier a clinician types (a Study Instance UID or an accession number) is used for the query
 only: it is never logged, shown back, kept or exported. urllib3 logs request URLs (which hold it), so
@@ -16,13 +16,15 @@ A slow or hostile archive costs its own user time, no one else's, and a bounded 
   covers all the requests it makes (`PacsLimits`); at the deadline the transfer is cut, a request
   waiting for its answer gives up, and the clinician reads what happened;
 - one answer is read as it arrives and never past its limit: a QIDO answer is taken entry by entry up
-  to `max_answer_entries` / `max_answer_bytes`, at most `max_studies` distinct studies and
-  `max_series` distinct series are taken from a Find (so at most 1 + `max_studies` requests), and an
-  instance or a series past the upload limits (ScanLimits.max_bytes, max_total_bytes, max_files) is
-  refused while it arrives, not after it was read whole;
+  to `max_answer_entries` / `max_answer_bytes`, at most `max_series` distinct series are taken from a
+  Find (of one study: at most 2 requests), and an instance or a series past the upload limits
+  (ScanLimits.max_bytes, max_total_bytes, max_files) is refused while it arrives, not after it was
+  read whole;
 - a redirect is followed only to the archive's own origin (scheme, host and port), three at most;
 - `cancel` (a threading.Event, set when the tab goes away) stops the transfer: no request starts
-  after it is set, and the one in progress is cut.
+  after it is set, and the one in progress is cut;
+- an Open that has received nothing for `stall_note_s` says so once (`stalled`), so that the
+  clinician reads that the archive is not answering rather than watch the time count.
 
 Why not dicomweb-client: it reads a QIDO answer whole, retries a timed-out request five times, parses
 every instance with pydicom while it reads (so the parse would run outside the decode guard, or the
@@ -35,6 +37,7 @@ or MEDVQA_PACS_TOKEN (a bearer token).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import re
@@ -52,7 +55,7 @@ from .pacs_stream import PacsError, multipart_bodies, multipart_boundary, read_w
 
 ENV_USERNAME, ENV_PASSWORD, ENV_TOKEN = "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN"
 _UID = re.compile(r"[0-9]+(\.[0-9]+)+")
-_MODALITY, _STUDY_UID, _SERIES_UID, _COUNT = "00080060", "0020000D", "0020000E", "00201209"
+_MODALITY, _STUDY_UID, _SERIES_UID, _COUNT, _FRAMES = "00080060", "0020000D", "0020000E", "00201209", "00280008"
 _ACCESSION = re.compile(r"[A-Za-z0-9 ._/-]{1,16}")  # DICOM SH: 16 characters
 _CHUNK = 64 * 1024
 _MAX_REDIRECTS = 3
@@ -66,7 +69,8 @@ class PacsLimits:
     connect_s: float = 5.0  # to open a connection to the archive
     find_s: float = 40.0  # one Find, all its queries together
     open_s: float = 300.0  # one Open: every instance of the series
-    max_studies: int = 10  # distinct studies taken from an accession number's answer
+    stall_note_s: float = 15.0  # an Open that has received nothing for this long says so (it goes on waiting)
+    max_studies: int = 10  # distinct studies counted in an accession number's answer (more than one is refused)
     max_series: int = 200  # distinct series listed for one Find
     max_answer_entries: int = 5_000  # entries read from one QIDO answer (copies of one study included)
     max_answer_bytes: int = 4 * 2**20  # bytes read from one QIDO answer
@@ -74,14 +78,29 @@ class PacsLimits:
 
 @dataclass
 class RemoteSeries:
-    number: int  # 1, 2, ... in the order listed
+    number: int  # 1, 2, ...: as an upload of the study numbers its series (the most slices first), kept once loaded
     modality: str  # a defined term, else ""
-    slices: int
+    instances: int  # its images (DICOM instances): what a Load fetches
+    frames: int = 1  # frames of an image, where the archive reports NumberOfFrames (of one of them); else 1
     _uids: tuple[str, str] = field(repr=False, default=("", ""))  # (study, series): to fetch, never shown
 
+    @property
+    def slices(self) -> int:
+        """What the viewer scrolls once the series is loaded: one multi-frame image's frames, else its images."""
+        return self.frames if self.instances == 1 else self.instances
+
     def describe(self) -> str:
+        if self.instances > 1 and self.frames > 1:  # they open as a series each, as uploaded ones do
+            return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.instances} multi-frame images"
         return f"Series {self.number}: {self.modality or 'unknown modality'}, {self.slices} " \
                f"slice{'s' if self.slices != 1 else ''}"
+
+
+@dataclass
+class RemoteStudy(Study):
+    """A study from the PACS: the series loaded from it so far, each under the PACS list's number."""
+
+    _uid: str = field(default="", repr=False)  # its Study Instance UID: to tell another study's series, never shown
 
 
 class FoundSeries(list):
@@ -109,8 +128,9 @@ class Pacs:
 
     def find_series(self, identifier: str, cancel: threading.Event | None = None) -> FoundSeries:
         """The series of the study named by `identifier` (a Study Instance UID, or else an accession
-        number). Raises PacsError when nothing is found, the archive cannot be reached, or the Find
-        runs past its deadline or is cancelled."""
+        number). Raises PacsError when nothing is found, when an accession number names several studies
+        (their series are never listed as one study's), when the archive cannot be reached, or when the
+        Find runs past its deadline or is cancelled."""
         identifier = (identifier or "").strip()
         limits = self.limits
         if _UID.fullmatch(identifier) and len(identifier) <= 64:
@@ -121,69 +141,90 @@ class Pacs:
             raise PacsError("Please type a Study Instance UID (digits and dots) or an accession number "
                             "(up to 16 letters and digits).")
         with _Transfer(self, limits.find_s, cancel, "search") as transfer:
-            capped = False
-            if by_uid:
-                studies = [identifier]
-            else:
-                studies = []
-                answer = transfer.json_entries("/studies", [("AccessionNumber", identifier),
-                                                            ("includefield", "StudyInstanceUID"),
-                                                            ("limit", str(limits.max_answer_entries))])
-                for entry in answer:
-                    uid = _value(entry, _STUDY_UID)
-                    if isinstance(uid, str) and _UID.fullmatch(uid) and uid not in studies:
-                        if len(studies) == limits.max_studies:
-                            capped = True
-                            break
-                        studies.append(uid)
-                capped = capped or answer.capped
+            study, capped = self._one_study(transfer, identifier, by_uid)
             listed, seen = FoundSeries(), set()
-            for study in studies:
-                if len(listed) >= limits.max_series:
+            answer = transfer.json_entries(f"/studies/{quote(study)}/series",
+                                           [("includefield", "Modality"),
+                                            ("includefield", "NumberOfSeriesRelatedInstances"),
+                                            ("includefield", "NumberOfFrames"),  # else a cine counts as 1
+                                            ("limit", str(limits.max_answer_entries))]) if study else _Answer()
+            for item in answer:
+                series_uid = _value(item, _SERIES_UID)
+                if not isinstance(series_uid, str) or not _UID.fullmatch(series_uid) or series_uid in seen:
+                    continue
+                if len(listed) == limits.max_series:
                     capped = True
                     break
-                answer = transfer.json_entries(f"/studies/{quote(study)}/series",
-                                               [("includefield", "Modality"),
-                                                ("includefield", "NumberOfSeriesRelatedInstances"),
-                                                ("limit", str(limits.max_answer_entries))])
-                for item in answer:
-                    series_uid = _value(item, _SERIES_UID)
-                    if not isinstance(series_uid, str) or not _UID.fullmatch(series_uid) or series_uid in seen:
-                        continue
-                    if len(listed) == limits.max_series:
-                        capped = True
-                        break
-                    seen.add(series_uid)
-                    modality = str(_value(item, _MODALITY) or "")
-                    count = _value(item, _COUNT)
-                    listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
-                                               int(count) if isinstance(count, (int, float)) and count >= 0 else 0,
-                                               (study, series_uid)))
-                capped = capped or answer.capped
+                seen.add(series_uid)
+                modality = str(_value(item, _MODALITY) or "")
+                listed.append(RemoteSeries(len(listed) + 1, modality if modality in MODALITY else "",
+                                           _count(_value(item, _COUNT), 0), max(1, _count(_value(item, _FRAMES), 1)),
+                                           (study, series_uid)))
         if not listed:
             raise PacsError("No study with that identifier was found in the PACS.")
-        listed.capped = capped
+        # Listed and numbered as an upload of the study lists them (medvqa.imaging.series), so that a
+        # series has one number whichever way the study was opened.
+        listed.sort(key=lambda item: -item.slices)  # stable: else in the archive's order
+        for number, item in enumerate(listed, start=1):
+            item.number = number
+        listed.capped = capped or answer.capped
         return listed
 
+    def _one_study(self, transfer: _Transfer, identifier: str, by_uid: bool) -> tuple[str | None, bool]:
+        """The Study Instance UID of the one study the identifier names (None when there is none), and
+        whether the answer was left unread past its caps. A Study Instance UID is searched for too,
+        not only taken as given: an empty answer is the archive's "no such study", while a 404 on its
+        study search means the address is not a DICOMweb server's (see `_status_message`). Several
+        studies with one accession number are refused: their series are never listed as one study's,
+        since they may be different patients'."""
+        limits = self.limits
+        key = "StudyInstanceUID" if by_uid else "AccessionNumber"
+        answer = transfer.json_entries("/studies", [(key, identifier), ("includefield", "StudyInstanceUID"),
+                                                    ("limit", str(limits.max_answer_entries))])
+        studies: list[str] = []
+        for entry in answer:
+            uid = _value(entry, _STUDY_UID)
+            if not isinstance(uid, str) or not _UID.fullmatch(uid) or uid in studies:
+                continue
+            if by_uid and uid != identifier:  # an archive that ignored the key: not the study asked for
+                continue
+            studies.append(uid)
+            if len(studies) > limits.max_studies:
+                break
+        if len(studies) > 1:
+            raise PacsError(_several_studies(len(studies), limits.max_studies))
+        return (studies[0] if studies else None), answer.capped
+
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,
-              limits: ScanLimits | None = None, cancel: threading.Event | None = None) -> Study:
+              limits: ScanLimits | None = None, cancel: threading.Event | None = None,
+              stalled: Callable[[float], None] | None = None) -> RemoteStudy:
         """Fetch the series' instances as they arrive (`progress(done, total)` after each) and open them
-        as a study, through the same allow-list as an upload. An instance past `limits.max_bytes`, or a
-        series past `limits.max_total_bytes` or `limits.max_files`, is refused while it arrives."""
+        as a study of that one series, numbered as the PACS list numbers it, through the same allow-list
+        as an upload. An instance past `limits.max_bytes`, or a series past `limits.max_total_bytes` or
+        `limits.max_files`, is refused while it arrives. `stalled(seconds)` is called, from another
+        thread, once nothing has arrived for `PacsLimits.stall_note_s` (again after data resumes and
+        stalls anew)."""
         limits = limits or ScanLimits()
         study, series_uid = series._uids
         files: list[bytes] = []
-        with _Transfer(self, self.limits.open_s, cancel, "download") as transfer:
+        with _Transfer(self, self.limits.open_s, cancel, "download", stalled) as transfer:
             for part in transfer.dicom_parts(f"/studies/{quote(study)}/series/{quote(series_uid)}", limits):
                 files.append(part)
                 if progress is not None:
-                    progress(len(files), max(series.slices, len(files)))
+                    progress(len(files), max(series.instances, len(files)))
         if not files:
             raise PacsError("The PACS returned no instances for that series.")
         try:
-            return open_study(files, limits)  # decoded under imaging's guard, after the network is done
+            opened = open_study(files, limits)  # decoded under imaging's guard, after the network is done
         except ScanError as error:
             raise PacsError(f"The series could not be opened: {error}") from None
+        # The viewer, the chat and the export name it by the PACS list's number. Multi-frame images open
+        # as a series each (as uploaded ones do); they have no number of their own there, so one is shown.
+        shown, *others = opened.series
+        shown.number = series.number
+        notes = opened.notes + ([f"This series of the PACS holds {len(opened.series)} multi-frame images; the "
+                                 "longest is shown. To see the others, open their files."] if others else [])
+        return RemoteStudy([shown], notes, study)
 
 
 class _Answer(list):
@@ -197,7 +238,8 @@ class _Transfer:
     transfer's sockets at the deadline or on cancellation, so that a read blocked on a silent archive
     (waiting for an answer, or for the rest of one) ends at once."""
 
-    def __init__(self, pacs: Pacs, budget_s: float, cancel: threading.Event | None, what: str):
+    def __init__(self, pacs: Pacs, budget_s: float, cancel: threading.Event | None, what: str,
+                 stalled: Callable[[float], None] | None = None):
         import requests
 
         self.pacs = pacs
@@ -209,6 +251,9 @@ class _Transfer:
         self._lock = threading.Lock()
         self._cut = False
         self._done = threading.Event()
+        self._stalled = stalled
+        self._last_data = time.monotonic()  # when a request was sent or a piece of an answer arrived
+        self._stall_said = False
         self.session = requests.Session()
         self.session.trust_env = False  # no proxy or .netrc from the environment: the URL given is the archive
         for scheme in ("http://", "https://"):
@@ -217,7 +262,9 @@ class _Transfer:
             self.session.auth = pacs._auth
         self.session.headers.update(pacs._headers)
         self._origin = _origin(pacs.url)
-        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="medvqa-pacs-watchdog")
+        # In a copy of the caller's context: `stalled` may need it (Gradio finds a handler's progress bar there).
+        self._watchdog = threading.Thread(target=contextvars.copy_context().run, args=(self._watch,), daemon=True,
+                                          name="medvqa-pacs-watchdog")
 
     def __enter__(self) -> _Transfer:
         self._watchdog.start()
@@ -243,6 +290,11 @@ class _Transfer:
                     for sock in self._sockets:
                         _shut(sock)
                 return
+            silent_s = time.monotonic() - self._last_data
+            if self._stalled is not None and not self._stall_said and silent_s >= self.pacs.limits.stall_note_s:
+                self._stall_said = True
+                with contextlib.suppress(Exception):  # a note only: it must not end the watch over the deadline
+                    self._stalled(silent_s)
             self.cancel.wait(min(0.2, max(0.0, self.deadline - time.monotonic())))
 
     def check(self) -> None:
@@ -286,7 +338,7 @@ class _Transfer:
             raise PacsError("The PACS redirected the request too many times.")
         try:
             if response.status_code >= 400:
-                raise PacsError(_status_message(response.status_code))
+                raise PacsError(_status_message(response.status_code, path))
             yield response
         finally:
             response.close()
@@ -297,6 +349,7 @@ class _Transfer:
             with _quiet_logs():
                 for chunk in response.iter_content(_CHUNK):
                     self.check()
+                    self._last_data, self._stall_said = time.monotonic(), False
                     yield chunk
         except PacsError:
             raise
@@ -414,12 +467,36 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _status_message(status: int) -> str:
+def _several_studies(count: int, counted: int) -> str:
+    """The refusal of an accession number that names several studies (accession numbers are unique
+    only within the system that issued them, and some archives match them regardless of case). It
+    names no study: the clinician knows which one they mean, and types its Study Instance UID."""
+    many = f"More than {counted}" if count > counted else str(count)
+    return (f"{many} studies have this accession number, so none was listed (they may belong to different "
+            "patients). Type the Study Instance UID of the study you mean.")
+
+
+def _status_message(status: int, path: str) -> str:
+    """What an HTTP error on `path` means. An archive with no such study answers its study search
+    with an empty result (200 or 204); a 404 on the search itself means the address is wrong, which
+    the administrator must fix and the clinician should not take for a missing study."""
     return ("The PACS refused the credentials (set MEDVQA_PACS_USERNAME and MEDVQA_PACS_PASSWORD, "
             "or MEDVQA_PACS_TOKEN)." if status in (401, 403) else
+            "The PACS address does not answer as a DICOMweb server: it has no study search (QIDO-RS "
+            "/studies). Ask the administrator to check the PACS URL (--pacs-url)." if status == 404
+            and path == "/studies" else
             "No study with that identifier was found in the PACS." if status == 404 else
             "The PACS is busy and did not take the request; try again later." if status in (429, 503) else
             "The PACS could not be reached or did not answer as a DICOMweb server does.")
+
+
+def _count(value, absent: int) -> int:
+    """An IS count from a QIDO answer (an int, or a string some archives send), else `absent`."""
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return absent
+    return count if count >= 0 else absent
 
 
 def _value(item: dict, tag: str):

@@ -4,8 +4,9 @@
     python scripts/fake_archive.py --study-copies 600000         # a QIDO answer listing one study 600,000 times
 
 Used by tests/test_pacs_limits.py, scripts/bench_pacs.py and scripts/soak_app.py (in process, through
-`FakeArchive`). It speaks just enough QIDO-RS and WADO-RS for medvqa/pacs.py: /studies?AccessionNumber=,
-/studies/{study}/series and /studies/{study}/series/{series} (multipart/related; type="application/dicom").
+`FakeArchive`). It speaks just enough QIDO-RS and WADO-RS for medvqa/pacs.py: /studies?AccessionNumber=
+(or StudyInstanceUID=), /studies/{study}/series and /studies/{study}/series/{series} (multipart/related;
+type="application/dicom"); any other path gets 404.
 Every request is recorded (monotonic time, path) in `requests`; `sent_bytes` counts the body bytes written.
 """
 
@@ -30,8 +31,9 @@ class Behaviour:
 
     delay_s: float = 0.0  # before answering any request
     series_delay_s: float = 0.0  # before answering a series query (one per study found)
-    study_copies: int = 1  # entries in the answer to an accession-number query
-    distinct_studies: int = 1  # how many different studies those entries name (cycled)
+    study_copies: int = 1  # entries in the answer to a study query (0: 204 No Content, as some archives say "none")
+    distinct_studies: int = 1  # how many different studies those entries name (cycled); a query by
+    # StudyInstanceUID is answered with that one
     instances: list[bytes] = field(default_factory=list)  # the series' DICOM files
     instance_padding: int = 0  # bytes appended to each instance (a series of huge instances)
     redirect_to: str = ""  # answer every request with a redirect to this base URL
@@ -107,13 +109,17 @@ class FakeArchive:
 
     def _studies(self, handler, query: dict) -> None:
         behaviour = self.behaviour
+        if behaviour.study_copies == 0:
+            handler.send_response(204)
+            handler.end_headers()
+            return
         handler.send_response(200)
         handler.send_header("Content-Type", "application/dicom+json")
         handler.end_headers()
         self._write(handler, b"[")
         batch = []
         for n in range(behaviour.study_copies):  # written as it is made: 600,000 entries never sit in memory
-            uid = f"{STUDY_UID}.{n % max(behaviour.distinct_studies, 1)}"
+            uid = query.get("StudyInstanceUID", [f"{STUDY_UID}.{n % max(behaviour.distinct_studies, 1)}"])[0]
             batch.append(json.dumps({"0020000D": {"vr": "UI", "Value": [uid]}}))
             if len(batch) == 1000 or n == behaviour.study_copies - 1:
                 self._write(handler, (("," if n >= len(batch) else "") + ",".join(batch)).encode())

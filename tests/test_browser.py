@@ -417,7 +417,7 @@ def test_closing_the_tab_stops_its_pacs_find(browser, ui_pipeline, ui_settings, 
 
     fake = load_script("fake_archive")
     hold = threading.Event()
-    with fake.FakeArchive(fake.Behaviour(study_copies=10, distinct_studies=10, hold=hold)) as archive:
+    with fake.FakeArchive(fake.Behaviour(study_copies=10, hold=hold)) as archive:
         demo = build_app(ui_pipeline, ui_settings, max_upload_mb=MAX_UPLOAD_MB, 
                          pacs=Pacs(archive.url, env={}, limits=PacsLimits(find_s=600)))
         _, url, _ = launch(demo, port=None, max_upload_mb=MAX_UPLOAD_MB, block=False, quiet=True)

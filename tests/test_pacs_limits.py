@@ -5,6 +5,7 @@ Behaviour only: the time figures are scripts/bench_pacs.py's."""
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pydicom.data
@@ -16,14 +17,28 @@ from medvqa.pacs import Pacs, PacsError, PacsLimits
 
 from .conftest import load_script
 from .imaging_helpers import encode
+from .ui_helpers import client, ui_pipeline, ui_settings, upload_folder  # noqa: F401 - fixtures
 
 FAKE = load_script("fake_archive")
 CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
 
 
+def ct_instances(count: int) -> list[bytes]:
+    """`count` instances of CT_small.dcm, each with its own SOP Instance UID: copies of one file would
+    open as one slice (an upload skips them)."""
+    files = []
+    for _ in range(count):
+        ds = pydicom.dcmread(io.BytesIO(CT))
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = pydicom.uid.generate_uid()
+        buffer = io.BytesIO()
+        ds.save_as(buffer)
+        files.append(buffer.getvalue())
+    return files
+
+
 @pytest.fixture
 def archive():
-    with FAKE.FakeArchive(FAKE.Behaviour(instances=[CT] * 3)) as running:
+    with FAKE.FakeArchive(FAKE.Behaviour(instances=ct_instances(3))) as running:
         yield running
 
 
@@ -45,11 +60,35 @@ def test_a_reply_listing_one_study_600000_times_costs_two_requests(archive):
     assert study.series[0].frame_count == 3
 
 
-def test_studies_and_series_taken_from_one_answer_are_capped(archive):
+def test_an_answer_naming_several_studies_is_counted_up_to_the_cap_and_refused(archive):
     archive.behaviour.study_copies, archive.behaviour.distinct_studies = 5_000, 50
-    found = Pacs(archive.url, limits=PacsLimits(max_studies=4)).find_series("ACC-1")
-    assert len(found) == 1 and found.capped  # every study lists the same series: listed once
-    assert len(archive.requests) == 1 + 4
+    with pytest.raises(PacsError, match="^More than 4 studies have this accession number"):
+        Pacs(archive.url, limits=PacsLimits(max_studies=4)).find_series("ACC-1")
+    archive.behaviour.distinct_studies = 3
+    with pytest.raises(PacsError, match="^3 studies have this accession number"):
+        Pacs(archive.url).find_series("ACC-1")
+    assert len(archive.requests) == 2  # no series query: the studies' series are never listed together
+
+
+def test_an_address_that_is_no_dicomweb_server_is_not_taken_for_a_missing_study(archive):
+    """An empty search (204 here, 200 with [] from Orthanc) is "no such study"; a 404 on the study
+    search itself is a wrong address, for the administrator to fix."""
+    archive.behaviour.study_copies = 0
+    for identifier in ("ACC-1", FAKE.STUDY_UID):
+        with pytest.raises(PacsError, match="^No study with that identifier was found"):
+            Pacs(archive.url).find_series(identifier)
+        with pytest.raises(PacsError, match="^The PACS address does not answer as a DICOMweb server"):
+            Pacs(archive.url.replace("/dicom-web", "/not-dicomweb")).find_series(identifier)
+
+
+def test_series_of_multi_frame_images_are_listed_as_images():
+    """The frames an archive reports (NumberOfFrames, of one image) count for an image alone; several
+    multi-frame images open as a series each, as uploaded ones do, and are listed as images."""
+    from medvqa.pacs import RemoteSeries
+
+    assert RemoteSeries(2, "US", 1, 30).describe() == "Series 2: US, 30 slices"
+    assert RemoteSeries(3, "US", 4, 30).describe() == "Series 3: US, 4 multi-frame images"
+    assert RemoteSeries(4, "CT", 1).describe() == "Series 4: CT, 1 slice"
 
 
 def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
@@ -58,6 +97,45 @@ def test_an_instance_past_the_limit_is_refused_while_it_arrives(archive):
     with pytest.raises(PacsError, match="larger than the 2.0 MB upload limit"):
         Pacs(archive.url).fetch(series, limits=ScanLimits(max_bytes=2 * 2**20))
     assert archive.sent_bytes < 64 * 2**20  # of 320 MB
+
+
+def test_a_stalled_load_says_so_once_and_goes_on_when_the_archive_answers(archive):
+    (series,) = Pacs(archive.url).find_series("ACC-1")
+    archive.behaviour.hold, said = threading.Event(), []
+    threading.Timer(1.5, archive.behaviour.hold.set).start()  # the archive answers after 1.5 s
+    study = Pacs(archive.url, limits=PacsLimits(stall_note_s=0.5)).fetch(series, stalled=said.append)
+    assert len(said) == 1 and 0.5 <= said[0] < 1.5 and study.series[0].frame_count == 3
+    said.clear()
+    Pacs(archive.url, limits=PacsLimits(stall_note_s=0.5)).fetch(series, stalled=said.append)
+    assert said == []  # an archive that answers at once is not said to stall
+
+
+def test_the_page_shows_the_stall_note_in_the_load_s_progress(archive, ui_pipeline, ui_settings,  # noqa: F811
+                                                              upload_folder):  # noqa: F811
+    """The note is given from the transfer's watchdog thread, which must see the handler's context
+    for Gradio to find its progress bar."""
+    from medvqa.ui import build_app, launch
+
+    demo = build_app(ui_pipeline, ui_settings, max_upload_mb=1,
+                     pacs=Pacs(archive.url, env={}, limits=PacsLimits(stall_note_s=0.5)))
+    _, url, _ = launch(demo, port=None, max_upload_mb=1, block=False, quiet=True)
+    try:
+        c = client(url)
+        c.predict("ACC-1", api_name="/pacs_find")
+        archive.behaviour.hold = threading.Event()
+        job = c.submit(1, api_name="/pacs_load")
+        notes = []
+        for _ in range(100):
+            notes = [unit.desc for unit in job.status().progress_data or [] if unit.desc]
+            if notes:
+                break
+            threading.Event().wait(0.1)
+        archive.behaviour.hold.set()
+        assert "series 1 · slice 2 of 3" in job.result()[0]
+        assert notes and notes[0].startswith("The PACS has sent nothing for ") and "Still waiting" in notes[0]
+    finally:
+        archive.behaviour.hold.set()
+        demo.close()
 
 
 def test_a_redirect_to_another_server_is_not_followed(archive):
@@ -95,7 +173,7 @@ def test_waiting_on_the_archive_holds_up_no_one_s_decoding(archive):
 
 
 def test_cancelling_stops_the_transfer_and_no_request_follows(archive):
-    archive.behaviour.study_copies, archive.behaviour.distinct_studies = 10, 10
+    archive.behaviour.study_copies = 10  # one study: a series query would follow the first
     archive.behaviour.hold, cancel, outcome = threading.Event(), threading.Event(), {}
 
     def find():

@@ -110,9 +110,10 @@ class _Handlers:
             number = int(number)
         except (TypeError, ValueError):
             number = 0
-        if not 1 <= number <= len(session.study.series):
+        # By number, not place: a study from the PACS holds the series loaded, numbered as its list numbers them.
+        series = next((series for series in session.study.series if series.number == number), None)
+        if series is None:
             return self.viewer_unchanged(session, _error_message("There is no such series in this upload."))
-        series = session.study.series[number - 1]
         window = session.scan.window
         if window is not None and window.name in ("file", "file-lut", "auto-percentile", "none"):
             window = None

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import gradio as gr
 
 from ..imaging import ScanError
-from ..pacs import Pacs, PacsError, RemoteSeries
+from ..pacs import Pacs, PacsError, RemoteSeries, RemoteStudy
 from .handlers import _Handlers
 from .render import _error_message
 from .session import _Session
@@ -93,23 +93,50 @@ class _PacsHandlers:
 
     def load(self, number: float, found: list[RemoteSeries] | None, session: _Session | None,
              request: gr.Request = None, progress=gr.Progress()):
-        """Fetch the chosen series, showing progress per slice, and show it like an upload."""
+        """Fetch the chosen series, showing progress per slice, and show it like an upload: a new
+        conversation about it, unless it is another series of the study the tab shows (see _add)."""
         chosen = next((item for item in found or [] if item.number == _as_int(number)), None)
         if chosen is None:
             return self.handlers.viewer_unchanged(session, _error_message("Find a study in the PACS first, then "
                                                                           "choose one of its series."))
+        unit = "slices" if chosen.slices == chosen.instances else "images"  # a multi-frame image arrives whole
+        arrived = [0, chosen.instances]  # the progress last shown: the stall note keeps it
+
+        def show_progress(done: int, total: int) -> None:
+            arrived[:] = done, total
+            progress((done, total), unit=unit)  # without a description: a stall note goes once data comes
+
+        def stalled(seconds: float) -> None:
+            note = (f"The PACS has sent nothing for {seconds:.0f} s. Still waiting (the Load gives up after "
+                    f"{self.pacs.limits.open_s:.0f} s).")
+            progress(tuple(arrived), unit=unit, desc=note)
+
         try:
             with self._transfer(request) as cancel:
-                study = self.pacs.fetch(chosen, progress=lambda done, total: progress((done, total), unit="slices"),
-                                        limits=self.handlers.limits, cancel=cancel)
+                study = self.pacs.fetch(chosen, progress=show_progress, limits=self.handlers.limits, cancel=cancel,
+                                        stalled=stalled)
             source = study.series[0]
             scan = source.render()
+            current = session.study if session is not None else None
+            if isinstance(current, RemoteStudy) and current._uid == study._uid:
+                self.handlers.budget.check(scan.pixels.nbytes + source.decoded_bytes)
+                return self._add(source, study, session)
         except (PacsError, ScanError) as error:
             return self.handlers.viewer_unchanged(session, _error_message(str(error)))
         except Exception:  # noqa: BLE001
             log.error("loading a series from the PACS failed unexpectedly")
             return self.handlers.viewer_unchanged(session, _error_message("The series could not be loaded."))
         return self.handlers.show(source, scan, study, session)
+
+    def _add(self, source, study: RemoteStudy, session: _Session):
+        """Another series of the study shown: it joins the study's series (in place of a copy loaded
+        before) and is shown, and the conversation goes on, as after a change of series in an upload;
+        each question records its series."""
+        with session.lock:
+            kept = [series for series in session.study.series if series.number != source.number]
+            notes = session.study.notes + [note for note in study.notes if note not in session.study.notes]
+            session.study = RemoteStudy(sorted(kept + [source], key=lambda series: series.number), notes, study._uid)
+        return self.handlers.set_series(source.number, session)
 
 
 def _status(text: str) -> str:

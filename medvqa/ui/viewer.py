@@ -66,7 +66,7 @@ def _study_notes(study: Study | None, number: int) -> str:
     """What is odd about the series shown, and which files were skipped, as escaped HTML."""
     if study is None:
         return ""
-    series = study.series[number - 1]
+    series = next(series for series in study.series if series.number == number)
     lines = [f"⚠ {warning}" for warning in series.warnings] + study.notes
     return "".join(f'<p class="medvqa-caption">{html.escape(line)}</p>' for line in lines)
 
