@@ -102,6 +102,14 @@ class RemoteStudy(Study):
 
     _uid: str = field(default="", repr=False)  # its Study Instance UID: to tell another study's series, never shown
 
+    def is_study_of(self, other: RemoteStudy) -> bool:
+        """Whether `other` was loaded from the same study (the UID is compared here and goes no further)."""
+        return bool(self._uid) and self._uid == other._uid
+
+    def with_series(self, series: list, notes: list[str]) -> RemoteStudy:
+        """The same study holding `series` (a list of its series) and `notes`."""
+        return RemoteStudy(series, notes, self._uid)
+
 
 class FoundSeries(list):
     """The series of a Find (a list of RemoteSeries); `capped` when the caps left some out."""

@@ -118,7 +118,7 @@ class _PacsHandlers:
             source = study.series[0]
             scan = source.render()
             current = session.study if session is not None else None
-            if isinstance(current, RemoteStudy) and current._uid == study._uid:
+            if isinstance(current, RemoteStudy) and current.is_study_of(study):
                 self.handlers.budget.check(scan.pixels.nbytes + source.decoded_bytes)
                 return self._add(source, study, session)
         except (PacsError, ScanError) as error:
@@ -135,7 +135,7 @@ class _PacsHandlers:
         with session.lock:
             kept = [series for series in session.study.series if series.number != source.number]
             notes = session.study.notes + [note for note in study.notes if note not in session.study.notes]
-            session.study = RemoteStudy(sorted(kept + [source], key=lambda series: series.number), notes, study._uid)
+            session.study = study.with_series(sorted(kept + [source], key=lambda series: series.number), notes)
         return self.handlers.set_series(source.number, session)
 
 
