@@ -252,8 +252,10 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
             gr.on([find.click, identifier.submit], remote.find, [identifier, found],
                   [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=8,
                   concurrency_id="pacs")  # network waits, not work: a slow archive must not queue other tabs
+            # Its progress (slices arrived, a stalled archive) on the viewer and the panel, not over the chat.
             load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
-                       concurrency_limit=8, concurrency_id="pacs").then(**study_controls).then(**warming)
+                       concurrency_limit=8, concurrency_id="pacs", show_progress_on=[viewer, status]
+                       ).then(**study_controls).then(**warming)
             demo.unload(remote.tab_closed)  # the tab's Find or Load stops with it
         series_picker.input(handlers.set_series, [series_picker, session], viewer_outputs, api_name="set_series",
                             concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
