@@ -55,8 +55,9 @@ _CSS = """
 #medvqa-frame input[type=range]:focus-visible, #medvqa-center input[type=range]:focus-visible,
 #medvqa-width input[type=range]:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
 .medvqa-sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); margin: 0; }
+.medvqa-out-of-flow { position: absolute !important; z-index: 10; }
 .medvqa-skip { position: absolute; left: -10000px; }
-.medvqa-skip:focus { position: static; }
+.medvqa-skip:focus { position: static; background: #fff; color: #1d4ed8; padding: 4px 8px; }
 """
 
 # Run when the page loads.
@@ -166,12 +167,14 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
     handlers = _Handlers(pipeline, settings or pipeline.settings, max_upload_mb)
 
     with gr.Blocks(title="MedVQA", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
-        gr.HTML('<a class="medvqa-skip" href="#medvqa-question">Skip to the question</a>', padding=False)
+        gr.HTML('<a class="medvqa-skip" href="#medvqa-question">Skip to the question</a>', padding=False,
+                elem_classes=["medvqa-out-of-flow"])
         gr.Markdown(f"# MedVQA\n{NOTICE}", elem_id="medvqa-notice")
         session = gr.State(None, delete_callback=_close_session)
         with gr.Row():
             with gr.Column(scale=5):
-                gr.HTML('<h2 class="medvqa-sr-only">Scan</h2>', padding=False)  # headings to move by
+                gr.HTML('<h2 class="medvqa-sr-only">Scan</h2>', padding=False,  # headings to move by
+                        elem_classes=["medvqa-out-of-flow"])
                 upload = gr.File(label=f"Scan: DICOM, PNG, JPEG or TIFF, or a .zip of a series' DICOM files (up to "
                                        f"{max_upload_mb:g} MB)",
                                  file_count="single", type="filepath", height=140, elem_id="medvqa-upload")
@@ -201,7 +204,8 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
             with gr.Column(scale=7):
                 # Each message its own bubble: an error after an answer is not read as part of it.
                 # At most 520 px, less on a short screen (a 720 px laptop keeps the question box in view).
-                gr.HTML('<h2 class="medvqa-sr-only">Conversation</h2>', padding=False)
+                gr.HTML('<h2 class="medvqa-sr-only">Conversation</h2>', padding=False,
+                        elem_classes=["medvqa-out-of-flow"])
                 chatbot = gr.Chatbot(label="Conversation", height="min(520px, 55vh)", elem_id="medvqa-chat",
                                      latex_delimiters=[], feedback_options=None, buttons=["copy"],
                                      group_consecutive_messages=False,
