@@ -221,6 +221,9 @@ def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_quest
     colours = page.evaluate("() => [...document.querySelectorAll('#medvqa-notice h1, #medvqa-notice p')]"
                             ".map(el => getComputedStyle(el).color)")
     assert colours and set(colours) == {"rgb(120, 53, 15)"}, colours
+    # The question box's keys, under its label, in a colour that reads on the dark background.
+    assert page.evaluate("() => getComputedStyle(document.querySelector('#medvqa-question .info-text')).color") \
+        == "rgb(212, 212, 216)"
     page.keyboard.press("Tab")
     assert page.evaluate("() => document.activeElement.textContent") == "Skip to the question"
     page.keyboard.press("Enter")

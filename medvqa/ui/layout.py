@@ -55,6 +55,8 @@ _CSS = """
 #medvqa-frame input[type=range]:focus-visible, #medvqa-center input[type=range]:focus-visible,
 #medvqa-width input[type=range]:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
 .medvqa-sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); margin: 0; }
+#medvqa-question .info-text { color: #52525b; }
+.dark #medvqa-question .info-text { color: #d4d4d8; }
 .medvqa-out-of-flow { position: absolute !important; z-index: 10; }
 .medvqa-skip { position: absolute; left: -10000px; }
 .medvqa-skip:focus { position: static; background: #fff; color: #1d4ed8; padding: 4px 8px; }
