@@ -142,7 +142,7 @@ def embed_prompt(embed_tokens: Callable[[list[int]], torch.Tensor], token_ids: l
 
 def build_projector(settings: Settings, vision_size: int, text_size: int, image_tokens: int = 0) -> Projector:
     """The profile's projector: the trained file (checked against the encoder's token count), LLaVA-Med's
-    weights mapped from the hub checkpoint, or untrained (with a warning) when there is none."""
+    weights mapped from the hub checkpoint, or untrained when none is named (a file named but absent is refused)."""
     config = settings.projector
     projector = Projector(vision_size, config.hidden_size, text_size)
     weights = config.weights
@@ -165,9 +165,12 @@ def build_projector(settings: Settings, vision_size: int, text_size: int, image_
                 f"{f'{current[:12]}…' if current else 'not a single weights file'}; set vision.name_or_path "
                 f"to the encoder it was trained with, or retrain it with scripts/train_projector.py.")
         projector.load(weights)
-    elif weights:
-        log.warning("Projector weights %s not found: answering with an untrained projector. "
-                    "Train one with scripts/train_projector.py.", weights)
+    elif weights:  # named but absent: answers from an untrained projector would be guesses, so refuse
+        from .language_model import ModelMissingError
+
+        raise ModelMissingError(f"The projector weights {weights} were not found (projector.weights); train them "
+                                "with scripts/train_projector.py, or set projector.weights to \"\" to run an "
+                                "untrained projector (for tests only).")
     projector.requires_grad_(True)
     return projector
 

@@ -132,6 +132,11 @@ class EfficientNetLiteEncoder(VisionEncoder):
 
         self.image_size = image_size
         self.net = EfficientNet.from_name("efficientnet-lite0")
+        if not Path(weights_path).is_file():
+            from .language_model import ModelMissingError
+
+            raise ModelMissingError(f"The image encoder's weights {weights_path} were not found (vision.name_or_path); "
+                                    "rebuild them with scripts/train_encoder.py, or reinstall the package.")
         if str(weights_path).endswith(".safetensors"):  # the medical stage (scripts/train_encoder.py)
             from safetensors.torch import load_file
 

@@ -107,3 +107,14 @@ def test_ask_on_a_tiny_profile_says_its_answers_mean_nothing(capsys, monkeypatch
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
     assert main(["ask", str(picture), "Is there a mass?", "--profile", "tiny", "--no-retrieval"]) == 0
     assert "random weights for tests: its answers mean nothing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variable", ["MEDVQA_PROJECTOR__WEIGHTS", "MEDVQA_VISION__NAME_OR_PATH"])
+def test_trained_weights_named_but_missing_are_one_line_not_an_untrained_guess(monkeypatch, capsys, picture,
+                                                                              tmp_path, variable):
+    """A projector file named but absent used to give answers from an untrained projector (a guess with a
+    warning in the log); the offline encoder's missing file a traceback. Both are refused in one line."""
+    monkeypatch.setenv(variable, str(tmp_path / "gone.safetensors"))
+    assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
+    error = one_error_line(capsys)
+    assert "gone.safetensors were not found" in error
