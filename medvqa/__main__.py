@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "window", None) is not None and not args.window.strip():
         parser.error("--window needs a value: auto, file, a CT preset name, or CENTER,WIDTH")
+    if args.command in ("ask", "prompt") and not args.question.strip():  # before any file or model is read
+        print("error: Please type a question about the image.", file=sys.stderr)
+        return 2
     if args.command == "prompt":
         return _print_prompt(args)
     if args.command == "scan" and args.pacs_url:
@@ -128,9 +131,6 @@ def _settings(profile: str | None):
 def _print_prompt(args) -> int:
     from .prompt import FORMATS, PromptBuilder
 
-    if not args.question.strip():  # refused as `ask` refuses it
-        print("error: Please type a question about the image.", file=sys.stderr)
-        return 2
     settings = _settings(args.profile)
     if settings is None:
         return 2

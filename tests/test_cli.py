@@ -87,8 +87,13 @@ def test_scan_of_a_picture_names_its_format_once(capsys, picture):
 
 
 @pytest.mark.parametrize("question", ["", "  \n"])
-def test_prompt_refuses_an_empty_question_as_ask_does(capsys, question):
+def test_prompt_refuses_an_empty_question_as_ask_does(capsys, monkeypatch, picture, question):
     assert main(["prompt", question, "--profile", "llava-med"]) == 2
+    assert one_error_line(capsys) == "error: Please type a question about the image.\n"
+    from medvqa.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pytest.fail("loaded a model")))
+    assert main(["ask", str(picture), question]) == 2  # before the model is loaded
     assert one_error_line(capsys) == "error: Please type a question about the image.\n"
 
 
