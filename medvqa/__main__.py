@@ -1,6 +1,6 @@
 """Command line (`medvqa`, or `python -m medvqa`):
 
-    medvqa ask IMAGE "QUESTION"          answer a question about an image (or --slice K of a series)
+    medvqa ask IMAGE "QUESTION"          answer a question about an image (or --series N --slice K of a study)
     medvqa scan FILE                     the safe metadata, window and frames of a file
     medvqa scan PATH --json              the series in a file, folder or .zip: slices in display order
     medvqa scan --pacs-url URL --json    the series of a study in a PACS (its identifier read from stdin)
@@ -21,14 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     ask = commands.add_parser("ask", help="answer a question about an image (DICOM, PNG, JPEG or TIFF), or about one "
-                                          "slice of the first series in a folder or .zip of DICOM files")
+                                          "slice of a series in a folder or .zip of DICOM files")
     ask.add_argument("image", help="a file, a folder or a .zip")
     ask.add_argument("question")
     ask.add_argument("--profile", choices=PROFILES, default=None)
     ask.add_argument("--no-retrieval", action="store_true", help="answer from the image alone")
     ask.add_argument("--window", default=None, help="auto, file, a CT preset name (for a CT), or CENTER,WIDTH")
+    ask.add_argument("--series", type=int, default=1,
+                     help="series N of a folder or .zip, numbered as `scan` lists them (largest first); default 1")
     ask.add_argument("--slice", type=int, default=None,
-                     help="slice K (1 to N, in display order) of the first series; default: the middle one")
+                     help="slice K (1 to N, in display order) of the series; default: the middle one")
 
     scan = commands.add_parser("scan", help="show the safe metadata, window and frames of a file, or the "
                                             "series of a folder or .zip")
@@ -200,7 +202,12 @@ def _ask(args) -> int:
     from .safe_text import inert, safe_url, visible
 
     try:
-        series = open_study(args.image).series[0]
+        study = open_study(args.image)
+        series = next((series for series in study.series if series.number == args.series), None)
+        if series is None:
+            count = len(study.series)
+            raise ScanError(f"Series {args.series} was requested, but this upload has {count} "
+                            f"series (1 to {count}).")
         window = parse_window(args.window) if args.window else None
         check_preset(series, window)
         scan = series.render(window=window,

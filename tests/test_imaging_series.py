@@ -254,6 +254,16 @@ def test_ask_slice_k_shows_the_model_that_slice(tmp_path, capsys, monkeypatch, t
     assert np.array_equal(scan.pixels, open_study(archive).series[0].render(READ_BACK, 3).pixels)
     assert main(["ask", str(archive), "Is there a mass?", "--slice", "13"]) == 2
     assert "Slice 13 was requested, but this series has 12 slices (1 to 12)" in capsys.readouterr().err
+    assert main(["ask", str(archive), "Is there a mass?", "--series", "2"]) == 2
+    assert "Series 2 was requested, but this upload has 1 series (1 to 1)" in capsys.readouterr().err
+    study = tmp_path / "two.zip"
+    uid = pydicom.uid.generate_uid()
+    study.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(6, study_uid=uid)
+                                                                     + ct_series(4, study_uid=uid, first=100))}))
+    seen.clear()
+    assert main(["ask", str(study), "Is there a mass?", "--series", "2", "--slice", "1", "--no-retrieval"]) == 0
+    (scan,) = seen
+    assert (scan.series, scan.frame_count, scan.frame_index) == (2, 4, 0)
 
 
 def test_ask_refuses_a_ct_preset_for_an_image_without_hounsfield_units(tmp_path, capsys, monkeypatch, tiny_pipeline):
