@@ -37,16 +37,22 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser, app_url):  # noqa: F811 - the fixture imported above
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+def open_page(browser, url: str, width: int = 1280, height: int = 900, **context_options):
+    """The app's page in a new browser context, once the page's own script is in place; close its `.context`."""
+    context = browser.new_context(viewport={"width": width, "height": height}, **context_options)
     page = context.new_page()
     page.set_default_timeout(60_000)
-    page.goto(app_url)
+    page.goto(url)
     page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
-    page.wait_for_selector("body[data-medvqa=ready]", state="attached")  # the page's own script is in place
+    page.wait_for_selector("body[data-medvqa=ready]", state="attached")
+    return page
+
+
+@pytest.fixture
+def page(browser, app_url):  # noqa: F811 - the fixture imported above
+    page = open_page(browser, app_url)
     yield page
-    context.close()
+    page.context.close()
 
 
 def screenshot(page, name: str) -> None:
@@ -213,11 +219,7 @@ def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
 def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_question(browser, app_url):  # noqa: F811
     """Gradio follows the system's colour scheme; the notice keeps its light background there, so its text
     must stay dark (it was Gradio's near-white on it). The page's first Tab stop skips to the question."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme="dark")
-    page = context.new_page()
-    page.goto(app_url)
-    page.wait_for_selector("#medvqa-notice p")
-    page.wait_for_selector("body[data-medvqa=ready]", state="attached")
+    page = open_page(browser, app_url, color_scheme="dark")
     colours = page.evaluate("() => [...document.querySelectorAll('#medvqa-notice h1, #medvqa-notice p')]"
                             ".map(el => getComputedStyle(el).color)")
     assert colours and set(colours) == {"rgb(120, 53, 15)"}, colours
@@ -228,7 +230,7 @@ def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_quest
     assert page.evaluate("() => document.activeElement.textContent") == "Skip to the question"
     page.keyboard.press("Enter")
     assert page.evaluate("() => document.activeElement.closest('#medvqa-question') !== null")
-    context.close()
+    page.context.close()
 
 
 def test_an_answer_taller_than_the_chat_is_shown_from_its_first_line(browser, app_url, ui_pipeline,  # noqa: F811
@@ -242,11 +244,7 @@ def test_an_answer_taller_than_the_chat_is_shown_from_its_first_line(browser, ap
                         f"A title long enough to wrap over several lines of a narrow chat, number {n}", "PubMed",
                         "", 1.0) for n in range(1, 13)]
     monkeypatch.setattr(ui_pipeline, "retrieve", lambda *a, **k: passages)
-    context = browser.new_context(viewport={"width": 768, "height": 1024})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    page.goto(app_url)
-    page.wait_for_selector("#medvqa-upload input[type=file]", state="attached")
+    page = open_page(browser, app_url, width=768, height=1024)
     upload_scan(page, dicom_file("CT_small.dcm"))
     visible = ("() => { const log = document.querySelector('#medvqa-chat .bubble-wrap');"
                " const rows = log.querySelectorAll('.message-row'); const last = rows[rows.length - 1];"
@@ -260,7 +258,7 @@ def test_an_answer_taller_than_the_chat_is_shown_from_its_first_line(browser, ap
         page.wait_for_timeout(500)
         assert page.evaluate(visible)[:2] == [True, True], (question, page.evaluate(visible))
     screenshot(page, "06-tall-answer-narrow-screen.png")
-    context.close()
+    page.context.close()
 
 
 def test_oversize_upload_is_refused_with_a_message(page, tmp_path):

@@ -34,6 +34,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
         raise ScanError(_too_large_message(*image.size[::-1], count, limits))
     total_pixels, first_mode, shape, shown = 0, image.mode, None, count // 2  # ScanSource shows the middle frame
     lows, highs = [], []  # each grey page's lowest and highest value: the sliders span every page
+    shown_grey = False
     for index in range(count):
         _guarded(damaged, image.seek, index)
         columns, rows = image.size
@@ -52,7 +53,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
             lows.append(page_range[0])
             highs.append(page_range[1])
         if index == shown:
-            first_shown = frame
+            first_shown, shown_grey = frame, page_range is not None
         del frame
     log.debug("decoded %s with %d frame(s)", kind, count)
     frames = _PictureFrames(raw, kind, damaged, decoded=(shown, first_shown))
@@ -61,7 +62,7 @@ def _open_picture(raw: bytes, kind: str, limits: ScanLimits) -> ScanSource:
                  "PixelFormat": first_mode}  # Pillow's mode, e.g. "L", "I;16", "RGB"
     return ScanSource(source_format=kind, frame_count=count, safe_meta=safe_meta,
                       load_frame=frames.load, forget=frames.forget, held=frames.held,
-                      value_range=(min(lows), max(highs)) if lows else None)
+                      value_range=(min(lows), max(highs)) if shown_grey else None)
 
 
 class _PictureFrames(_LastFrame):

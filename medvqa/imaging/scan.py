@@ -86,8 +86,8 @@ class ScanSource:
     def __init__(self, *, source_format: str, frame_count: int, safe_meta: dict[str, str],
                  load_frame: Callable[[int], _Frame], forget: Callable[[], None] | None = None,
                  held: Callable[[], int] | None = None, value_range: tuple[float, float] | None = None):
-        """`value_range`: the lowest and highest grey value over every frame where the opener saw them
-        all (a multi-page TIFF), else those of the default frame."""
+        """`value_range`: the lowest and highest grey value over every frame, where the opener saw them
+        all (a picture's pages; given only when the default frame is grey), else those of the default frame."""
         self.source_format = source_format
         self.is_dicom = source_format == "dicom"
         self.frame_count = frame_count
@@ -100,8 +100,7 @@ class ScanSource:
         default = self._checked_frame(self.default_frame, opening=True)
         self.default_window = _default_window(default)
         # (lowest, highest) grey value, or None for a colour frame shown first.
-        own_range = _value_range(default)
-        self.value_range = None if own_range is None else (value_range or own_range)
+        self.value_range = value_range if value_range is not None else _value_range(default)
 
     def forget_decoded(self) -> None:
         """Drop the decoded frame kept for re-windowing (a series keeps only the slice on screen)."""
