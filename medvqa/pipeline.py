@@ -37,11 +37,11 @@ from .closed import ClosedQuestions, load_answer_head
 from .confidence import HEAD, calibration_for, image_group, leaning_text
 from .config import Settings
 from .device import pick_device, pick_dtype
-from .engines import Engine, EngineRequest, load_engine
+from .engines import Engine, EngineRequest, choose_engine, load_engine
 from .engines.base import shared_prefix
 from .language_model import hub_offline_env
 from .metrics import AnswerTracker
-from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, image_digest, image_key
+from .model import BLANK_DIGEST, BLANK_IMAGE, VisionLanguageModel, check_weight_files, image_digest, image_key
 from .open_choices import chosen, judged, leaning, load_open_answers, load_open_calibration
 from .prompt import FORMATS, Prompt, PromptBuilder, Turn
 from .trust import claim, claim_query, image_reliance, mark_support
@@ -243,6 +243,8 @@ class Pipeline(ClosedQuestions):
         torch.manual_seed(settings.seed)
         device = pick_device(settings.device)
         dtype = pick_dtype(device, settings.dtype)
+        if choose_engine(settings) != "openai":  # (the openai engine's server holds its own weights)
+            check_weight_files(settings)  # a missing file is said before the decoder's slow first conversion
         engine = load_engine(settings, device, dtype)
         model = VisionLanguageModel.load(settings, device, dtype, engine.hidden_size) \
             if engine.takes_image_tokens else None

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -94,8 +94,14 @@ def _checked_metadata(path: Path) -> dict:
 
 
 def read_metadata(path: str | Path) -> dict:
-    with safe_open(str(path), framework="pt") as handle:
-        return {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
+    except (OSError, ValueError, SafetensorError) as error:  # cut short, damaged, or not safetensors at all
+        from .language_model import ModelFileError
+
+        raise ModelFileError(f"The projector weights {path} could not be read ({error}); retrain them with "
+                             f"scripts/train_projector.py, or check out the shipped file again.") from error
 
 
 def map_llava_med_projector(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

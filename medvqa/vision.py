@@ -132,20 +132,31 @@ class EfficientNetLiteEncoder(VisionEncoder):
 
         self.image_size = image_size
         self.net = EfficientNet.from_name("efficientnet-lite0")
-        if not Path(weights_path).is_file():
-            from .language_model import ModelMissingError
+        import pickle
 
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from .language_model import ModelFileError, ModelMissingError
+
+        if not Path(weights_path).is_file():
             raise ModelMissingError(f"The image encoder's weights {weights_path} were not found (vision.name_or_path); "
                                     "rebuild them with scripts/train_encoder.py, or reinstall the package.")
-        if str(weights_path).endswith(".safetensors"):  # the medical stage (scripts/train_encoder.py)
-            from safetensors.torch import load_file
-
-            state = load_file(str(weights_path))
-        else:  # the ImageNet weights as the pip package ships them
-            state = torch.load(weights_path, map_location="cpu", weights_only=True)
-        missing, unexpected = self.net.load_state_dict(state, strict=False)
+        # what a file cut short, damaged or holding another network's tensors raises
+        unreadable = (OSError, ValueError, EOFError, RuntimeError, pickle.UnpicklingError, SafetensorError)
+        try:
+            if str(weights_path).endswith(".safetensors"):  # the medical stage (scripts/train_encoder.py)
+                state = load_file(str(weights_path))
+            else:  # the ImageNet weights as the pip package ships them
+                state = torch.load(weights_path, map_location="cpu", weights_only=True)
+            missing, unexpected = self.net.load_state_dict(state, strict=False)
+        except unreadable as error:
+            reason = (str(error).splitlines() or [type(error).__name__])[0][:300]
+            raise ModelFileError(f"The image encoder's weights {weights_path} could not be read ({reason}); "
+                                 f"rebuild them with scripts/train_encoder.py, or reinstall the package.") from error
         if missing:
-            raise RuntimeError(f"EfficientNet-Lite0 weights at {weights_path} lack {len(missing)} tensors")
+            raise ModelFileError(f"The image encoder's weights {weights_path} lack {len(missing)} of "
+                                 f"EfficientNet-Lite0's tensors; rebuild them with scripts/train_encoder.py.")
         self.grid_tokens = (image_size // 32) ** 2
         self.freeze()
 

@@ -4,6 +4,7 @@ status 2, never a traceback."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,6 +121,91 @@ def test_trained_weights_named_but_missing_are_one_line_not_an_untrained_guess(m
     """A projector file named but absent used to give answers from an untrained projector (a guess with a
     warning in the log); the offline encoder's missing file a traceback. Both are refused in one line."""
     monkeypatch.setenv(variable, str(tmp_path / "gone.safetensors"))
+    refuse_decoder_loads(monkeypatch)
     assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
     error = one_error_line(capsys)
     assert "gone.safetensors were not found" in error
+
+
+def refuse_decoder_loads(monkeypatch):
+    """Weights files are checked before the decoder loads: a first start converts it for minutes (and
+    prints its progress), only to be told then that the projector file is missing."""
+    import medvqa.pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the decoder was loaded before the weights files were checked")
+
+    monkeypatch.setattr(medvqa.pipeline, "load_engine", too_late)
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 17000000\n"
+
+
+@pytest.mark.parametrize("damage", ["cut short", "a Git LFS pointer"])
+@pytest.mark.parametrize("variable", ["MEDVQA_PROJECTOR__WEIGHTS", "MEDVQA_VISION__NAME_OR_PATH"])
+def test_damaged_weights_are_one_line(monkeypatch, capsys, picture, tmp_path, variable, damage):
+    """A weights file cut short (an interrupted copy) or left as a Git LFS pointer used to end in a
+    traceback from safetensors; it is said in one line naming the file, before the decoder loads."""
+    from medvqa.config import load_settings
+
+    settings = load_settings("offline")
+    shipped = Path(settings.projector.weights if "PROJECTOR" in variable else settings.vision.name_or_path)
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(shipped.read_bytes()[: shipped.stat().st_size // 2] if damage == "cut short"
+                        else LFS_POINTER)
+    monkeypatch.setenv(variable, str(damaged))
+    refuse_decoder_loads(monkeypatch)
+    assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
+    error = one_error_line(capsys)
+    assert f"{damaged} could not be read" in error and "or check out the shipped file again" in error
+
+
+def test_a_projector_of_another_encoder_is_one_line(monkeypatch, capsys, picture, tmp_path):
+    """An encoder rebuilt (or swapped) under the shipped projector: the projector would map features it
+    never saw, so the pair is refused in one line, before the decoder loads."""
+    from safetensors.torch import load_file, save_file
+
+    from medvqa.config import load_settings
+
+    other = tmp_path / "other-encoder.safetensors"
+    save_file(load_file(load_settings("offline").vision.name_or_path), str(other), metadata={"note": "rebuilt"})
+    monkeypatch.setenv("MEDVQA_VISION__NAME_OR_PATH", str(other))
+    refuse_decoder_loads(monkeypatch)
+    assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
+    assert "was trained on the features of encoder" in one_error_line(capsys)
+
+
+def test_the_app_refuses_damaged_weights_in_one_line_too(monkeypatch, capsys, tmp_path):
+    """app.py says the damaged file on its last line, exit status 2, before the decoder loads."""
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("medvqa_app_main", REPO / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    damaged = tmp_path / "projector.safetensors"
+    damaged.write_bytes(LFS_POINTER)
+    monkeypatch.setenv("MEDVQA_PROJECTOR__WEIGHTS", str(damaged))
+    monkeypatch.setenv("MEDVQA_RETRIEVAL__ENABLED", "false")
+    refuse_decoder_loads(monkeypatch)
+    assert app.main(["--profile", "offline"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"error: The projector weights {damaged} "
+                                                                      "could not be read")
+
+
+def test_a_damaged_decoder_gguf_is_said_not_a_traceback(monkeypatch, capsys, picture, tmp_path):
+    """A GGUF cut short (an interrupted copy) fails in the first conversion: said as the file's fault."""
+    from medvqa.config import load_settings, resolve_path
+
+    shipped = Path(resolve_path(load_settings("offline").decoder.name_or_path))
+    damaged = tmp_path / "decoder.gguf"
+    with shipped.open("rb") as source:
+        damaged.write_bytes(source.read(3_000_000))
+    monkeypatch.setenv("MEDVQA_DECODER__NAME_OR_PATH", str(damaged))
+    monkeypatch.setenv("MEDVQA_CACHE", str(tmp_path / "cache"))
+    assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(f"error: The decoder GGUF file {damaged} "
+                                                                      "could not be read (")
