@@ -216,6 +216,35 @@ def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     screenshot(page, "05b-error-as-its-own-message.png")
 
 
+def test_new_conversation_is_undone_by_restore_until_the_next_question(page):
+    """A click on New conversation (or the chat's bin) no longer loses the conversation: a Restore button
+    brings it back, and goes once a question is asked in the new one."""
+    upload_scan(page, dicom_file("CT_small.dcm"))
+    box = page.locator("#medvqa-question textarea")
+    box.fill(QUESTION)
+    page.click("#medvqa-ask")
+    page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+    answer = page.locator(LAST_REPLY).inner_text()
+    restore = page.locator("#medvqa-restore")
+    assert not restore.is_visible()
+    page.click("#medvqa-new")
+    restore.wait_for(state="visible")
+    assert restore.inner_text().strip() == "Restore the cleared conversation (1 answer)"
+    assert page.locator("#medvqa-chat [data-testid='bot']").count() == 0
+    restore.click()
+    page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached")
+    restore.wait_for(state="hidden")
+    assert page.locator("#medvqa-chat [data-testid='user']").inner_text().strip() == QUESTION
+    assert page.locator(LAST_REPLY).inner_text() == answer
+    page.click("#medvqa-new")
+    restore.wait_for(state="visible")
+    box.fill("Is this a CT scan?")
+    page.click("#medvqa-ask")
+    restore.wait_for(state="hidden")
+    page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
+    assert page.locator("#medvqa-chat [data-testid='user']").count() == 1 and not restore.is_visible()
+
+
 def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_question(browser, app_url):  # noqa: F811
     """Gradio follows the system's colour scheme; the notice keeps its light background there, so its text
     must stay dark (it was Gradio's near-white on it). The page's first Tab stop skips to the question."""

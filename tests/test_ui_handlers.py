@@ -310,3 +310,42 @@ def test_a_new_scan_says_the_previous_conversation_is_closed(ui_pipeline, upload
     chat, session = opened("CT_small.dcm", session)
     assert chat == []  # nothing was asked about the MR
     session.close()
+
+
+def test_a_cleared_conversation_can_be_restored_until_the_next_question(ui_pipeline, upload_folder):
+    """New conversation (or the chat's bin) used to drop the chat for good, one misplaced click from
+    losing it; the conversation is now set aside and Restore brings it back, answers, export and
+    history, until a question is asked in the new one (or another scan opens)."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "restore"
+    folder.mkdir()
+    *_, session = handlers.upload({"path": str(shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm"))}, None)
+    assert handlers.restore_offer(session)["visible"] is False
+    for question in ("Is there a pleural effusion?", "Which organ is shown?"):
+        list(handlers.ask(question, session))
+    before = [dict(message) for message in session.messages]
+    assert handlers.new_conversation(session) == ([], "", "") and session.turns == []
+    assert session.conversation.history == []
+    handlers.new_conversation(session)  # clearing the empty chat keeps what the first clear set aside
+    offer = handlers.restore_offer(session)
+    assert offer["visible"] is True and offer["value"] == "Restore the cleared conversation (2 answers)"
+
+    chat, button = handlers.restore_conversation(session)
+    assert chat == before and button["visible"] is False and handlers.restore_offer(session)["visible"] is False
+    assert [turn["question"] for turn in session.turns] == ["Is there a pleural effusion?", "Which organ is shown?"]
+    assert [turn.question for turn in session.conversation.history] == \
+        ["Is there a pleural effusion?", "Which organ is shown?"]
+    list(handlers.ask("Is it a CT?", session))  # the restored conversation goes on
+    assert len(session.turns) == 3 and len(session.conversation.history) == 3
+
+    handlers.new_conversation(session)
+    list(handlers.ask("Is there a mass?", session))  # a question in the new conversation lets the old one go
+    assert handlers.restore_offer(session)["visible"] is False
+    chat, button = handlers.restore_conversation(session)
+    assert "There is no cleared conversation to restore" in last_reply(chat) and button["visible"] is False
+    assert [turn["question"] for turn in session.turns] == ["Is there a mass?"]
+    session.close()

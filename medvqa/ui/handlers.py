@@ -280,6 +280,7 @@ class _Handlers:
                 snapshot, answer = _copy(session.messages), None
             else:
                 answer = _Answer(question, session.scan)
+                session.cleared = None  # the new conversation is under way: the cleared one is let go
                 session.last_asked = (question, now, answer)
                 generation = session.generation
                 session.waiting.append(answer)
@@ -402,11 +403,17 @@ class _Handlers:
             return _copy(session.messages)
 
     def new_conversation(self, session: _Session | None):
-        """Start over on the same scan: empty chat, no history, a fresh conversation id."""
+        """Start over on the same scan: empty chat, no history, a fresh conversation id. A conversation
+        with answers is kept aside: it can be restored until the next question or scan."""
         if session is None:
             return [], "", ""
         with session.lock:
             session.generation += 1
+            turns = session.turns
+            if session.current is not None:  # cleared mid-answer: kept as a stopped turn, as Stop keeps it
+                turns = [*turns, session.current.record(stopped=True)]
+            if turns:  # (clearing an empty chat keeps what an earlier clear set aside)
+                session.cleared = (session.messages, turns, session.conversation.history)
             session.current = None
             session.messages = []
             session.turns = []
@@ -414,6 +421,36 @@ class _Handlers:
             session.conversation = self.pipeline.new_conversation(session.scan)
         self.pipeline.end_conversation(old)
         return [], "", ""
+
+    def restore_offer(self, session: _Session | None):
+        """The Restore button: shown, with the count of answers, while a cleared conversation can come back."""
+        cleared = _restorable(session)
+        if cleared is None:
+            return gr.update(visible=False)
+        count = len(cleared[1])
+        return gr.update(visible=True, value=f"Restore the cleared conversation ({count} answer{'s' * (count > 1)})")
+
+    def restore_conversation(self, session: _Session | None):
+        """Bring back the conversation New conversation (or the chat's bin) cleared: its messages, its
+        answers for the export and its history for the model, about the scan as it is shown now."""
+        if session is None:
+            return [], gr.update(visible=False)
+        with session.lock:
+            cleared = _restorable(session)
+            if cleared is None:
+                session.messages.append(_error_message(
+                    "There is no cleared conversation to restore: a question was asked or a scan opened since."))
+                return _copy(session.messages), gr.update(visible=False)
+            messages, turns, history = cleared
+            session.cleared = None
+            session.generation += 1
+            session.messages, session.turns = messages, turns
+            old = session.conversation
+            session.conversation = self.pipeline.new_conversation(session.scan)
+            session.conversation.history = list(history)
+            snapshot = _copy(session.messages)
+        self.pipeline.end_conversation(old)
+        return snapshot, gr.update(visible=False)
 
     def export(self, session: _Session | None):
         """The transcript's download links, Markdown and JSON (the `/export` endpoint)."""
@@ -434,6 +471,12 @@ def _injection_finding(done: Done, conversation, question: str):
     except Exception:  # noqa: BLE001 - a failed check must not lose the answer; it is logged
         log.exception("the injection check failed")
         return None
+
+
+def _restorable(session: _Session | None) -> tuple | None:
+    """The conversation set aside by the last clear, while it can come back (the next question, or a
+    new scan's session, lets it go)."""
+    return session.cleared if session is not None else None
 
 
 def _copy(messages: list[dict]) -> list[dict]:

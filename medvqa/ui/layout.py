@@ -220,6 +220,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                     ask_button = gr.Button("Ask", variant="primary", elem_id="medvqa-ask")
                     stop_button = gr.Button("Stop", variant="stop", elem_id="medvqa-stop")
                     new_button = gr.Button("New conversation", elem_id="medvqa-new")
+                # Clearing is undone here until the next question or scan (handlers.restore_conversation).
+                restore_button = gr.Button("Restore the cleared conversation", visible=False, size="sm",
+                                           elem_id="medvqa-restore")
                 with gr.Accordion("Export conversation", open=False):
                     transcript_button = gr.Button("Prepare Markdown and JSON", elem_id="medvqa-export")
                     transcript_links = gr.HTML("", elem_id="medvqa-export-links")
@@ -243,15 +246,17 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         warming_endpoint = {**warming, "api_name": "warm", "api_visibility": "undocumented"}
         study_controls = dict(fn=handlers.study_controls, inputs=[session], outputs=[series_picker, series_notes],
                               api_visibility="private", show_progress="hidden", queue=False)
+        restore_offer = dict(fn=handlers.restore_offer, inputs=[session], outputs=[restore_button],
+                             api_visibility="private", show_progress="hidden", queue=False)
         upload.upload(handlers.upload, [upload, session], [upload, *viewer_outputs], preprocess=False,
                       api_name="upload", concurrency_limit=2, concurrency_id="scan-decode"
-                      ).then(**study_controls).then(**warming_endpoint)
+                      ).then(**study_controls).then(**restore_offer).then(**warming_endpoint)
         files.upload(handlers.upload, [files, session], [upload, *viewer_outputs], preprocess=False,
                      api_name="upload_files", concurrency_limit=2, concurrency_id="scan-decode"
-                     ).then(**study_controls).then(**warming)
+                     ).then(**study_controls).then(**restore_offer).then(**warming)
         folder.upload(handlers.upload, [folder, session], [upload, *viewer_outputs], preprocess=False,
                       api_visibility="private", concurrency_limit=2, concurrency_id="scan-decode"
-                      ).then(**study_controls).then(**warming)
+                      ).then(**study_controls).then(**restore_offer).then(**warming)
         if pacs is not None:
             remote = _PacsHandlers(pacs, handlers)
             identifier, find, remote_series, load, status, found = pacs_panel
@@ -261,7 +266,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
             # Its progress (slices arrived, a stalled archive) on the viewer and the panel, not over the chat.
             load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
                        concurrency_limit=8, concurrency_id="pacs", show_progress_on=[viewer, status]
-                       ).then(**study_controls).then(**warming)
+                       ).then(**study_controls).then(**restore_offer).then(**warming)
             demo.unload(remote.tab_closed)  # the tab's Find or Load stops with it
         series_picker.input(handlers.set_series, [series_picker, session], viewer_outputs, api_name="set_series",
                             concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
@@ -282,16 +287,20 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         # clears what is typed there meanwhile. Both steps take every click ("multiple"): a question
         # asked while the previous answer finishes is queued by the handler, never dropped.
         asked = gr.Textbox(visible=False, elem_id="medvqa-asked")
-        taking = gr.on([ask_button.click, question.submit], _take_question, [question], [question, asked],
+        taking = gr.on([ask_button.click, question.submit], _take_question, [question],
+                       [question, asked, restore_button],
                        queue=False, api_visibility="private", show_progress="hidden", trigger_mode="multiple")
         answering = taking.then(handlers.ask, [asked, session], [chatbot, question], api_name="ask",
                                 concurrency_limit=concurrency, concurrency_id="answer", show_progress="hidden",
                                 trigger_mode="multiple")
         stop_button.click(handlers.stop, [session], [chatbot], cancels=[answering], api_name="stop")
         new_button.click(handlers.new_conversation, [session], [chatbot, question, transcript_links],
-                         cancels=[answering], api_name="new_conversation").then(**warming)
+                         cancels=[answering], api_name="new_conversation").then(**restore_offer).then(**warming)
         chatbot.clear(handlers.new_conversation, [session], [chatbot, question, transcript_links],
-                      cancels=[answering], api_visibility="private").then(**warming)  # the chat's bin icon too
+                      cancels=[answering], api_visibility="private"
+                      ).then(**restore_offer).then(**warming)  # the chat's bin icon too
+        restore_button.click(handlers.restore_conversation, [session], [chatbot, restore_button],
+                             api_name="restore_conversation").then(**warming)
         demo.unload(_forget_closed_tabs(demo))  # a closed tab's session goes now, not an hour later
         # The endpoint keeps its name (/export): clients and tests call it.
         transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],
@@ -300,9 +309,10 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
     return demo
 
 
-def _take_question(text: str) -> tuple[str, str]:
-    """The question box emptied, its text passed on to the answer (see build_app)."""
-    return "", text or ""
+def _take_question(text: str) -> tuple:
+    """The question box emptied, its text passed on to the answer (see build_app); a question asked
+    lets a cleared conversation go, so its Restore button goes too."""
+    return "", text or "", gr.update(visible=False) if (text or "").strip() else gr.skip()
 
 
 def _pacs_panel() -> tuple:

@@ -42,6 +42,9 @@ class _Session:
     generation: int = 0  # bumped by Stop / New conversation / a new scan: a running answer then ends
     current: _Answer | None = None  # the answer being streamed
     waiting: list = field(default_factory=list)  # questions asked meanwhile (_Answer), answered in this order
+    # What the last New conversation (or the chat's bin) cleared: (messages, turns, history), which
+    # the Restore button brings back until the next question (handlers.restore_conversation).
+    cleared: tuple | None = None
     # The last question asked, when (time.monotonic) and its _Answer: a double click asks it once (handlers.ask).
     last_asked: tuple = ("", float("-inf"), None)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
