@@ -218,3 +218,29 @@ def test_closing_a_tab_stops_its_own_finds_only(archive):
         finder.join(60)
     assert "The PACS search was stopped." in outcome["closed"]
     assert "Found 1 series." in outcome["open"] and "Found 1 series." in outcome["no session"]
+
+
+def test_cancel_stops_the_tab_s_load_and_the_scan_shown_stays(archive, ui_pipeline, ui_settings,  # noqa: F811
+                                                              upload_folder):  # noqa: F811
+    """The panel's Cancel (a slow archive, a series chosen by mistake) stops the Load as closing the tab
+    would, without closing it: no request follows, the chat gets no error, the scan shown stays."""
+    from medvqa.ui import build_app, launch
+
+    demo = build_app(ui_pipeline, ui_settings, max_upload_mb=1, pacs=Pacs(archive.url, env={}))
+    _, url, _ = launch(demo, port=None, max_upload_mb=1, block=False, quiet=True)
+    try:
+        c = client(url)
+        assert c.predict(api_name="/pacs_cancel") == '<p class="medvqa-caption">Nothing is being found or loaded.</p>'
+        c.predict("ACC-1", api_name="/pacs_find")
+        archive.behaviour.hold = threading.Event()
+        asked = len(archive.requests)
+        job = c.submit(1, api_name="/pacs_load")
+        wait_for_requests(archive, asked + 1)
+        assert "Cancelled. The scan shown before is still open." in c.predict(api_name="/pacs_cancel")
+        viewer, *_, chat = job.result(timeout=60)
+        archive.behaviour.hold.set()
+        threading.Event().wait(1)  # time for a request that should not come
+        assert len(archive.requests) == asked + 1 and chat == [] and viewer["__type__"] == "update"  # unchanged
+    finally:
+        archive.behaviour.hold.set()
+        demo.close()

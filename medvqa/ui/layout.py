@@ -259,7 +259,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                       ).then(**study_controls).then(**restore_offer).then(**warming)
         if pacs is not None:
             remote = _PacsHandlers(pacs, handlers)
-            identifier, find, remote_series, load, status, found = pacs_panel
+            identifier, find, remote_series, load, cancel, status, found = pacs_panel
             gr.on([find.click, identifier.submit], remote.find, [identifier, found],
                   [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=8,
                   concurrency_id="pacs")  # network waits, not work: a slow archive must not queue other tabs
@@ -267,6 +267,8 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
             load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
                        concurrency_limit=8, concurrency_id="pacs", show_progress_on=[viewer, status]
                        ).then(**study_controls).then(**restore_offer).then(**warming)
+            # queue=False: a Cancel never waits behind the transfers it stops
+            cancel.click(remote.cancel, None, [status], api_name="pacs_cancel", queue=False)
             demo.unload(remote.tab_closed)  # the tab's Find or Load stops with it
         series_picker.input(handlers.set_series, [series_picker, session], viewer_outputs, api_name="set_series",
                             concurrency_limit=4, concurrency_id="scan-render").then(**study_controls).then(**warming)
@@ -316,17 +318,20 @@ def _take_question(text: str) -> tuple:
 
 
 def _pacs_panel() -> tuple:
-    """The PACS panel's components: identifier box, Find, the series found, Load, a status line, and the
-    tab's list of series found (a gr.State). The box is a password field: what is typed is not shown."""
+    """The PACS panel's components: identifier box, Find, the series found, Load, Cancel, a status line,
+    and the tab's list of series found (a gr.State). The box is a password field: what is typed is not
+    shown."""
     with gr.Accordion("Open a study from the PACS", open=True):
         identifier = gr.Textbox(label="Study Instance UID or accession number", type="password",
                                 elem_id="medvqa-pacs-id")
         find = gr.Button("Find series", size="sm", elem_id="medvqa-pacs-find")
         remote_series = gr.Dropdown([], label="Series in the PACS", visible=False, allow_custom_value=True,
                                     elem_id="medvqa-pacs-series")
-        load = gr.Button("Load the series", size="sm", elem_id="medvqa-pacs-load")
+        with gr.Row():
+            load = gr.Button("Load the series", size="sm", elem_id="medvqa-pacs-load")
+            cancel = gr.Button("Cancel", size="sm", elem_id="medvqa-pacs-cancel")
         status = gr.HTML("", elem_id="medvqa-pacs-status")
-    return identifier, find, remote_series, load, status, gr.State(None)
+    return identifier, find, remote_series, load, cancel, status, gr.State(None)
 
 
 def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860, max_upload_mb: float = 100,

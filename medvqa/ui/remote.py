@@ -7,9 +7,9 @@ the chat, the logs nor the export ever show it. What the tab keeps is the list o
 
 A Find or a Load runs in the "pacs" concurrency group, never in the one that decodes uploads, and
 takes no lock others wait on (medvqa/pacs.py): a slow archive costs its own user time only. When the
-tab goes away its Find or Load is cancelled (`tab_closed`, the page's unload event): no further
-request is made for it. One still queued then never starts: Gradio drops a tab's queued events when
-its data stream closes.
+tab goes away, or its Cancel is pressed, its Find or Load is cancelled (`tab_closed`, the page's
+unload event; `cancel`): no further request is made for it. One still queued when the tab goes never
+starts: Gradio drops a tab's queued events when its data stream closes.
 
 Gradio runs the unload event when the tab's heartbeat connection (/gradio_api/heartbeat/{session})
 closes: at once when a browser tab closes. A gradio_client Client's close() only lets its heartbeat
@@ -66,13 +66,24 @@ class _PacsHandlers:
 
     def tab_closed(self, request: gr.Request) -> None:
         """The page's unload event: the tab's transfers stop (no request is made for it after this)."""
+        self._stop(request)
+
+    def cancel(self, request: gr.Request = None) -> str:
+        """The panel's Cancel: the tab's Find or Load stops, as when the tab closes; the scan shown stays."""
+        if not self._stop(request):
+            return _status("Nothing is being found or loaded.")
+        return _status("Cancelled. The scan shown before is still open.")
+
+    def _stop(self, request: gr.Request | None) -> bool:
+        """Set the cancel events of the request's tab; whether it had a transfer running."""
         tab = getattr(request, "session_hash", None)
         if not tab:
-            return
+            return False
         with self._lock:
             events = self._running.pop(tab, set())
         for cancel in events:
             cancel.set()
+        return bool(events)
 
     def find(self, identifier: str, found: list[RemoteSeries] | None, request: gr.Request = None):
         """List the study's series (modality, slice count); returns the cleared box, the series
@@ -111,10 +122,13 @@ class _PacsHandlers:
                     f"{self.pacs.limits.open_s:.0f} s).")
             progress(tuple(arrived), unit=unit, desc=note)
 
+        cancel = None
         try:
             with self._transfer(request) as cancel:
                 study = self.pacs.fetch(chosen, progress=show_progress, limits=self.handlers.limits, cancel=cancel,
                                         stalled=stalled)
+            if cancel.is_set():  # Cancel pressed as the last slice arrived: the load is still not shown
+                return self.handlers.viewer_unchanged(session)
             source = study.series[0]
             scan = source.render()
             current = session.study if session is not None else None
@@ -122,6 +136,8 @@ class _PacsHandlers:
                 self.handlers.budget.check(scan.pixels.nbytes + source.decoded_bytes)
                 return self._add(source, study, session)
         except (PacsError, ScanError) as error:
+            if cancel is not None and cancel.is_set():  # stopped by Cancel (its status line says so) or the tab
+                return self.handlers.viewer_unchanged(session)
             return self.handlers.viewer_unchanged(session, _error_message(str(error)))
         except Exception:  # noqa: BLE001
             log.error("loading a series from the PACS failed unexpectedly")
