@@ -106,9 +106,14 @@ class RemoteStudy(Study):
         """Whether `other` was loaded from the same study (the UID is compared here and goes no further)."""
         return bool(self._uid) and self._uid == other._uid
 
+    def names_other_patients(self, other: RemoteStudy) -> bool:
+        """Whether `other` names a patient ID this study's files do not (compared as keyed digests): an
+        archive that files two patients under one Study Instance UID."""
+        return bool(self.patients and other.patients and other.patients - self.patients)
+
     def with_series(self, series: list, notes: list[str]) -> RemoteStudy:
         """The same study holding `series` (a list of its series) and `notes`."""
-        return RemoteStudy(series, notes, self._uid)
+        return RemoteStudy(series, notes, self.patients, _uid=self._uid)
 
 
 class FoundSeries(list):
@@ -232,7 +237,7 @@ class Pacs:
         shown.number = series.number
         notes = opened.notes + ([f"This series of the PACS holds {len(opened.series)} multi-frame images; the "
                                  "longest is shown. To see the others, open their files."] if others else [])
-        return RemoteStudy([shown], notes, study)
+        return RemoteStudy([shown], notes, opened.patients, _uid=study)
 
 
 class _Answer(list):

@@ -4,7 +4,6 @@ what is odd about a series said in words, and hostile archives refused before an
 from __future__ import annotations
 
 import io
-import io
 import json
 import logging
 import zipfile
@@ -138,6 +137,23 @@ def test_files_from_several_studies_are_said_without_naming_them():
     seen = " ".join([repr(study), *(repr(s._slices) for s in study.series)])
     assert first not in seen and second not in seen
     assert open_study(ct_series(6, study_uid=first) + ct_series(4, study_uid=first, first=100)).notes == []
+
+
+def test_files_naming_different_patients_are_said_without_naming_them():
+    """One study's files naming two patient IDs (files mixed up, or an archive filing two patients under
+    one study) are said, as files of several studies are; the IDs are compared as keyed digests only."""
+    uid, other = pydicom.uid.generate_uid(), "PAT-OTHER-4417"
+    study = open_study(ct_series(6, study_uid=uid) + ct_series(4, study_uid=uid, first=100, PatientID=other))
+    assert [s.frame_count for s in study.series] == [6, 4] and len(study.patients) == 2
+    assert study.notes == ["These files name 2 different patients (their patient IDs differ): check that they "
+                           "belong together."]
+    seen = " ".join([repr(study), *(repr(s._slices) for s in study.series), *map(repr, study.patients)])
+    assert other not in seen and PLANTED["PatientID"] not in seen
+    assert open_study(ct_series(6) + ct_series(4, PatientID=other)).notes == [
+        "These files name 2 different patients (their patient IDs differ), in 2 studies: check that they "
+        "belong together."]
+    # A file naming no patient ID is no other patient.
+    assert open_study(ct_series(6, study_uid=uid) + ct_series(4, study_uid=uid, first=100, PatientID="")).notes == []
 
 
 def test_a_folder_of_files_that_are_not_dicom_gets_a_message(tmp_path):

@@ -23,13 +23,15 @@ FAKE = load_script("fake_archive")
 CT = open(pydicom.data.get_testdata_file("CT_small.dcm"), "rb").read()
 
 
-def ct_instances(count: int) -> list[bytes]:
-    """`count` instances of CT_small.dcm, each with its own SOP Instance UID: copies of one file would
-    open as one slice (an upload skips them)."""
+def ct_instances(count: int, **attributes) -> list[bytes]:
+    """`count` instances of CT_small.dcm (with `attributes` set), each with its own SOP Instance UID:
+    copies of one file would open as one slice (an upload skips them)."""
     files = []
     for _ in range(count):
         ds = pydicom.dcmread(io.BytesIO(CT))
         ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = pydicom.uid.generate_uid()
+        for keyword, value in attributes.items():
+            setattr(ds, keyword, value)
         buffer = io.BytesIO()
         ds.save_as(buffer)
         files.append(buffer.getvalue())
@@ -244,3 +246,28 @@ def test_cancel_stops_the_tab_s_load_and_the_scan_shown_stays(archive, ui_pipeli
     finally:
         archive.behaviour.hold.set()
         demo.close()
+
+
+def test_a_series_naming_another_patient_under_the_study_shown_starts_a_new_conversation(
+        archive, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
+    """Another series of the study shown joins it and the conversation goes on; one the archive files
+    under the same Study Instance UID but naming another patient ID does not: a new conversation, said."""
+    from medvqa.ui.handlers import _Handlers
+    from medvqa.ui.remote import _PacsHandlers
+
+    handlers = _Handlers(ui_pipeline, ui_settings, max_upload_mb=1)
+    remote = _PacsHandlers(Pacs(archive.url, env={}), handlers)
+    *_, found = remote.find("ACC-1", None)
+    *_, session = remote.load(1, found, None)
+    list(handlers.ask("Is there a mass?", session))
+    archive.behaviour.instances = ct_instances(3)  # the same patient again: the conversation goes on
+    *_, chat, joined = remote.load(1, found, session)
+    assert joined is session and len(session.turns) == 1
+    archive.behaviour.instances = ct_instances(3, PatientID="PAT-OTHER-4417")
+    *_, chat, other = remote.load(1, found, session)
+    assert other is not session and other.turns == []
+    assert "A new scan starts a new conversation: the previous one (1 answer" in chat[-1]["content"]
+    notes = handlers.study_controls(other)[1]
+    assert "This series names another patient than the series shown before" in notes
+    assert "PAT-OTHER-4417" not in notes + repr(other.study)
+    other.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import secrets
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,7 @@ class _Placement:
     position: tuple[float, ...] | None  # ImagePositionPatient (mm): the first pixel's centre
     instance_number: int | None
     copy_key: bytes | None = field(repr=False)  # a digest of SOPInstanceUID and pixel data, equal for copies
+    patient_key: bytes | None = field(default=None, repr=False)  # a keyed digest of PatientID (_patient_key)
 
 
 def _placement(ds: Dataset) -> _Placement:
@@ -101,6 +103,7 @@ def _placement(ds: Dataset) -> _Placement:
         position=_numbers(_value_or_none(ds, "ImagePositionPatient"), 3),
         instance_number=int(instance) if isinstance(instance, int) and not isinstance(instance, bool) else None,
         copy_key=_copy_key(ds),
+        patient_key=_patient_key(ds),
     )
 
 
@@ -113,6 +116,21 @@ def _copy_key(ds: Dataset) -> bytes | None:
     if not uid or not isinstance(pixels, bytes):
         return None
     return hashlib.sha256(uid.encode() + b"\0" + pixels).digest()
+
+
+# A key of this process's own: a patient key matches only another made by the same process, and no
+# list of known IDs can be hashed to find out whose it is.
+_PATIENT_KEY_SECRET = secrets.token_bytes(32)
+
+
+def _patient_key(ds: Dataset) -> bytes | None:
+    """Equal for two files naming the same patient ID: to tell files of different patients apart (one
+    study's files mixed up, an archive filing two patients under one study) without keeping the ID.
+    A digest keyed with a secret of this process; None when the file names no patient ID."""
+    patient = str(_value_or_none(ds, "PatientID") or "").strip()
+    if not patient:
+        return None
+    return hashlib.blake2b(patient.encode("utf-8", "replace"), key=_PATIENT_KEY_SECRET, digest_size=16).digest()
 
 
 def _numbers(value: Any, count: int) -> tuple[float, ...] | None:

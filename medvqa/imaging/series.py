@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -120,6 +120,8 @@ class Series:
 class Study:
     series: list[Series]  # the largest first
     notes: list[str]  # files from several studies, files skipped and why, in words: never a file name or UID
+    # keyed digests of the patient IDs its files name (dicom._patient_key), never the IDs: compared only
+    patients: frozenset[bytes] = field(default=frozenset(), repr=False)
 
 
 def open_study(data: bytes | str | os.PathLike | Sequence[bytes | str | os.PathLike],
@@ -180,14 +182,18 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
                         f"image. {' '.join(notes)}")
     kept = single + [s for members in groups.values() for s in members]
     studies = len({s.placement.study_key for s in kept} - {""})
-    if studies > 1:  # counted, never named: a UID identifies the study
+    patients = frozenset(s.placement.patient_key for s in kept) - {None}
+    if len(patients) > 1:  # counted, never named
+        notes.insert(0, f"These files name {len(patients)} different patients (their patient IDs differ)"
+                        f"{f', in {studies} studies' if studies > 1 else ''}: check that they belong together.")
+    elif studies > 1:  # counted, never named: a UID identifies the study
         notes.insert(0, f"These files come from {studies} different studies, so perhaps from different patients: "
                         "check that they belong together.")
     ordered = [_ordered(members) for members in groups.values()]
     ordered += [([_Slice(s.source, frame, None, s.order) for frame in range(s.source.frame_count)],
                  [None] * s.source.frame_count, []) for s in single]
     ordered.sort(key=lambda group: (-len(group[0]), min(s.order for s in group[0])))
-    return Study([Series(number, *group) for number, group in enumerate(ordered, start=1)], notes)
+    return Study([Series(number, *group) for number, group in enumerate(ordered, start=1)], notes, patients)
 
 
 def _series_of_frames(number: int, source: ScanSource) -> Series:

@@ -133,8 +133,14 @@ class _PacsHandlers:
             scan = source.render()
             current = session.study if session is not None else None
             if isinstance(current, RemoteStudy) and current.is_study_of(study):
-                self.handlers.budget.check(scan.pixels.nbytes + source.decoded_bytes)
-                return self._add(source, study, session)
+                if current.names_other_patients(study):  # one study UID, two patients: never one conversation
+                    study = study.with_series(study.series, [
+                        "This series names another patient than the series shown before, though the PACS files "
+                        "both under one study: it opens as a new conversation. Check the study with the "
+                        "archive's administrator."] + study.notes)
+                else:
+                    self.handlers.budget.check(scan.pixels.nbytes + source.decoded_bytes)
+                    return self._add(source, study, session)
         except (PacsError, ScanError) as error:
             if cancel is not None and cancel.is_set():  # stopped by Cancel (its status line says so) or the tab
                 return self.handlers.viewer_unchanged(session)
