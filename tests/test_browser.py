@@ -8,6 +8,7 @@ Screenshots of each state go to artifacts/browser/ (or $MEDVQA_ARTIFACTS_DIR).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -259,6 +260,32 @@ def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_quest
     assert page.evaluate("() => document.activeElement.textContent") == "Skip to the question"
     page.keyboard.press("Enter")
     assert page.evaluate("() => document.activeElement.closest('#medvqa-question') !== null")
+    page.context.close()
+
+
+def contrast(foreground: str, background: str) -> float:
+    """WCAG's contrast ratio of two computed `rgb(...)` colours."""
+    def luminance(colour: str) -> float:
+        channels = [int(v) / 255 for v in re.findall(r"\d+", colour)[:3]]
+        linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+    light, dark = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_ask_and_stop_buttons_read_at_wcag_aa_contrast(browser, app_url, scheme):  # noqa: F811
+    """Gradio's theme draws Ask (white on orange) at 2.8:1 and Stop at 3.8:1, under WCAG AA's 4.5:1 for
+    text; the page's own colours are darker, at rest and under the pointer."""
+    page = open_page(browser, app_url, color_scheme=scheme)
+    style = "id => { const s = getComputedStyle(document.getElementById(id)); return [s.color, s.backgroundColor]; }"
+    for button in ("medvqa-ask", "medvqa-stop"):
+        for state in ("rest", "hover"):
+            if state == "hover":
+                page.hover(f"#{button}")
+                page.wait_for_timeout(300)  # past a colour transition
+            text, background = page.evaluate(style, button)
+            assert contrast(text, background) >= 4.5, (button, state, text, background)
     page.context.close()
 
 

@@ -35,6 +35,7 @@ DEFAULT_CONCURRENCY = 8  # answers generated at once (llama.cpp runs their steps
 # Colours are checked against both of Gradio's schemes (it follows the system's; ".dark" on the page) and
 # under the chat's own 0.8 opacity: 4.5:1 or more for text. The notice keeps its light background in both,
 # so its text is set dark on every element inside it (Gradio's prose rules would give them the scheme's).
+# Ask and Stop are darker than the theme's orange and red (2.8:1 and 3.8:1 with their white text).
 _CSS = """
 #medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; }
 #medvqa-notice, #medvqa-notice * { color: #78350f !important; }
@@ -60,6 +61,11 @@ _CSS = """
 .medvqa-out-of-flow { position: absolute !important; z-index: 10; }
 .medvqa-skip { position: absolute; left: -10000px; }
 .medvqa-skip:focus { position: static; background: #fff; color: #1d4ed8; padding: 4px 8px; }
+#medvqa-ask, #medvqa-stop { color: #fff !important; }
+#medvqa-ask { background: #c2410c !important; border-color: #c2410c !important; }
+#medvqa-ask:hover { background: #9a3412 !important; border-color: #9a3412 !important; }
+#medvqa-stop { background: #b91c1c !important; border-color: #b91c1c !important; }
+#medvqa-stop:hover { background: #991b1b !important; border-color: #991b1b !important; }
 """
 
 # Run when the page loads.
