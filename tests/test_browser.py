@@ -248,7 +248,8 @@ def test_new_conversation_is_undone_by_restore_until_the_next_question(page):
 
 def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_question(browser, app_url):  # noqa: F811
     """Gradio follows the system's colour scheme; the notice keeps its light background there, so its text
-    must stay dark (it was Gradio's near-white on it). The page's first Tab stop skips to the question."""
+    must stay dark (it was Gradio's near-white on it). The page's first Tab stop skips to the question, and
+    the accordions say whether they are open."""
     page = open_page(browser, app_url, color_scheme="dark")
     colours = page.evaluate("() => [...document.querySelectorAll('#medvqa-notice h1, #medvqa-notice p')]"
                             ".map(el => getComputedStyle(el).color)")
@@ -260,6 +261,13 @@ def test_the_notice_reads_in_the_dark_scheme_and_the_skip_link_reaches_the_quest
     assert page.evaluate("() => document.activeElement.textContent") == "Skip to the question"
     page.keyboard.press("Enter")
     assert page.evaluate("() => document.activeElement.closest('#medvqa-question') !== null")
+    # Gradio's accordions say whether they are open (it sets only a class), and their ▼ is not read out.
+    export = page.locator("button.label-wrap", has_text="Export conversation")
+    assert export.get_attribute("aria-expanded") == "false"
+    assert export.locator(".icon").get_attribute("aria-hidden") == "true"
+    export.click()
+    page.wait_for_function("() => [...document.querySelectorAll('button.label-wrap')].some("
+                           "b => b.textContent.includes('Export conversation') && b.ariaExpanded === 'true')")
     page.context.close()
 
 

@@ -78,6 +78,8 @@ _CSS = """
 #   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
 #   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
+# - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
+#   their ▼ sign is not read out.
 _PAGE_JS = """
 () => {
   const KEYS = ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "PageUp", "PageDown", "Home", "End"];
@@ -144,6 +146,16 @@ _PAGE_JS = """
   document.addEventListener("scroll", (event) => {
     if (!scrolled && event.target.closest && event.target.closest("#medvqa-chat")) later();
   }, true);
+  const accordions = () => {
+    for (const button of document.querySelectorAll("button.label-wrap")) {
+      const open = String(button.classList.contains("open"));
+      if (button.getAttribute("aria-expanded") !== open) button.setAttribute("aria-expanded", open);
+      button.querySelector(".icon")?.setAttribute("aria-hidden", "true");
+    }
+  };
+  accordions();
+  new MutationObserver(accordions).observe(document.body, {childList: true, subtree: true, attributes: true,
+                                                           attributeFilter: ["class"]});
   document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
 }
 """
