@@ -208,11 +208,21 @@ def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     page.locator(LAST_REPLY).locator(".medvqa-sources").wait_for(state="attached", timeout=120_000)
     replies = page.locator("#medvqa-chat [data-testid='bot']")
     answered = replies.count()
+    # A screen reader hears the finished answer once, without its list of passages, not each token as it
+    # streams (Gradio's chat is a live region: the page quiets it) nor its HTML (Gradio's message names).
+    announce = page.locator("#medvqa-announce")
+    page.wait_for_function("() => document.querySelector('#medvqa-announce').textContent.includes('Confidence')")
+    first_line = page.locator(LAST_REPLY).inner_text().splitlines()[0].strip()
+    passage = page.locator(LAST_REPLY).locator(".medvqa-sources li").first.inner_text()
+    assert announce.inner_text().startswith(first_line) and passage[:40] not in announce.inner_text()
+    assert page.get_attribute("#medvqa-chat [role=log]", "aria-live") == "off"
+    assert page.locator("#medvqa-chat [aria-label^=\"bot's message\"]").count() == 0
     page.wait_for_timeout(1200)  # past a double click's second click
     page.click("#medvqa-ask")  # with the box empty
     page.wait_for_function("n => document.querySelectorAll(\"#medvqa-chat [data-testid='bot']\").length > n",
                            arg=answered, timeout=30_000)
     assert "Please type a question" in page.locator(LAST_REPLY).inner_text()
+    page.wait_for_function("() => document.querySelector('#medvqa-announce').textContent.includes('Please type')")
     assert "Please type a question" not in replies.nth(answered - 1).inner_text()
     screenshot(page, "05b-error-as-its-own-message.png")
 

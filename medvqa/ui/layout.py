@@ -80,6 +80,7 @@ _CSS = """
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 # - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
 #   their ▼ sign is not read out.
+# - A screen reader is given each finished answer once (see `speak`), not the chat's every token.
 _PAGE_JS = """
 () => {
   const KEYS = ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "PageUp", "PageDown", "Home", "End"];
@@ -105,7 +106,39 @@ _PAGE_JS = """
       document.querySelector("#medvqa-question textarea")?.focus();
     }
   });
+  // Gradio's chat is a polite live region, so a screen reader reads a streamed answer token by token, and
+  // it names each message by its raw HTML. The chat is kept quiet and unnamed here; each finished answer
+  // (its sources, an error, or "(stopped)"), less its list of sources, is read once from a region of its own.
+  const announcer = document.createElement("div");
+  announcer.id = "medvqa-announce";
+  announcer.className = "medvqa-sr-only";
+  announcer.setAttribute("aria-live", "polite");
+  document.body.appendChild(announcer);
+  let announced = "";
+  const speak = () => {
+    const chat = document.querySelector("#medvqa-chat");
+    if (!chat) return;
+    const region = chat.querySelector("[role=log]");
+    if (region && region.getAttribute("aria-live") !== "off") region.setAttribute("aria-live", "off");
+    for (const named of chat.querySelectorAll(`[aria-label^="bot's message"], [aria-label^="user's message"]`)) {
+      named.removeAttribute("aria-label");
+    }
+    const answers = chat.querySelectorAll(".message-row.bot-row");
+    const last = answers[answers.length - 1];
+    if (!last || !(last.querySelector(".medvqa-sources, .medvqa-error") || last.textContent.includes("(stopped)"))) {
+      return;
+    }
+    const copy = last.cloneNode(true);
+    copy.querySelectorAll(".medvqa-sources:not(.medvqa-no-sources), button").forEach((el) => el.remove());
+    const text = copy.textContent.replace(/\\s+/g, " ").trim();
+    const key = answers.length + ":" + text;
+    if (key !== announced) {
+      announced = key;
+      announcer.textContent = text;
+    }
+  };
   const settle = () => {
+    speak();
     const viewer = document.querySelector("#medvqa-viewer");
     if (viewer && !viewer.hasAttribute("aria-live")) {
       viewer.setAttribute("aria-live", "polite");
@@ -156,6 +189,8 @@ _PAGE_JS = """
   accordions();
   new MutationObserver(accordions).observe(document.body, {childList: true, subtree: true, attributes: true,
                                                            attributeFilter: ["class"]});
+  // Gradio sets a message's aria-label again when its text changes.
+  new MutationObserver(later).observe(document.body, {subtree: true, attributes: true, attributeFilter: ["aria-label"]});
   document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
 }
 """
