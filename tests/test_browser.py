@@ -468,6 +468,10 @@ def test_two_questions_asked_100_ms_apart_both_get_answers(page):
             "n => document.querySelectorAll(\"#medvqa-chat [data-testid='bot'] .medvqa-sources\").length >= n",
             arg=count, timeout=240_000)
 
+    # What a screen reader is given: each answer once finished, the first though a question waited behind it.
+    page.evaluate("() => { window.heard = []; new MutationObserver(() => window.heard.push("
+                  "document.querySelector('#medvqa-announce').textContent)).observe("
+                  "document.querySelector('#medvqa-announce'), {childList: true, characterData: true}); }")
     ask(questions[0])
     page.wait_for_timeout(100)
     ask(questions[1])
@@ -480,6 +484,10 @@ def test_two_questions_asked_100_ms_apart_both_get_answers(page):
     bots = page.locator("#medvqa-chat [data-testid='bot']")
     assert bots.count() == 3 and "medvqa-error" not in page.inner_html("#medvqa-chat")
     assert box.input_value() == ""
+    # Each answer read once (two finished together are read in one announcement), none twice.
+    page.wait_for_function("() => window.heard.join(' ').split('Confidence').length - 1 >= 3")
+    heard = " ".join(page.evaluate("() => window.heard"))
+    assert heard.count("Confidence") == 3 and heard.startswith(bots.nth(0).inner_text().splitlines()[0].strip())
     screenshot(page, "07-two-questions-queued.png")
 
 

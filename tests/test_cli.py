@@ -208,4 +208,4 @@ def test_a_damaged_decoder_gguf_is_said_not_a_traceback(monkeypatch, capsys, pic
     assert main(["ask", str(picture), "Is there a mass?", "--no-retrieval"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.splitlines()[-1].startswith(f"error: The decoder GGUF file {damaged} "
-                                                                      "could not be read (")
+                                                                      "could not be read or converted (")

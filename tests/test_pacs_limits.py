@@ -215,10 +215,11 @@ def test_closing_a_tab_stops_its_own_finds_only(archive):
     remote.tab_closed(None)  # no tab: nothing to cancel
     remote.tab_closed(tabs["closed"])
     finders[0].join(60)
+    assert not finders[0].is_alive()  # ended while the archive still held its answer
     archive.behaviour.hold.set()
     for finder in finders[1:]:
         finder.join(60)
-    assert "The PACS search was stopped." in outcome["closed"]
+    assert outcome["closed"] == {"__type__": "update"}  # stopped: the status line is left to Cancel's
     assert "Found 1 series." in outcome["open"] and "Found 1 series." in outcome["no session"]
 
 
@@ -263,6 +264,9 @@ def test_a_series_naming_another_patient_under_the_study_shown_starts_a_new_conv
     archive.behaviour.instances = ct_instances(3)  # the same patient again: the conversation goes on
     *_, chat, joined = remote.load(1, found, session)
     assert joined is session and len(session.turns) == 1
+    archive.behaviour.instances = ct_instances(3, PatientID="")  # naming no patient: no other patient either
+    *_, chat, joined = remote.load(1, found, session)
+    assert joined is session and len(session.study.patients) == 1  # the patient joined so far is still known
     archive.behaviour.instances = ct_instances(3, PatientID="PAT-OTHER-4417")
     *_, chat, other = remote.load(1, found, session)
     assert other is not session and other.turns == []

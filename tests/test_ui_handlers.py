@@ -349,3 +349,40 @@ def test_a_cleared_conversation_can_be_restored_until_the_next_question(ui_pipel
     assert "There is no cleared conversation to restore" in last_reply(chat) and button["visible"] is False
     assert [turn["question"] for turn in session.turns] == ["Is there a mass?"]
     session.close()
+
+
+def test_a_conversation_cleared_mid_answer_comes_back_as_stop_would_leave_it(ui_pipeline, upload_folder):
+    """Cleared while an answer streamed and a question waited behind it: Restore brings the answer back
+    marked stopped and the waiting question marked not asked, whatever their cancelled threads write
+    afterwards; a question refused in the new conversation (too long) keeps the cleared one."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+    from medvqa.ui.session import _Answer
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "restore-mid-answer"
+    folder.mkdir()
+    *_, session = handlers.upload({"path": str(shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm"))}, None)
+    list(handlers.ask("Is there a pleural effusion?", session))
+    # An answer streaming and a question waiting behind it, as ask leaves them.
+    streaming, waiting = _Answer("Is the heart enlarged?", session.scan), _Answer("Is it a CT?", session.scan)
+    streaming.text = "The heart"
+    for answer, content in ((streaming, "The heart"), (waiting, "Waiting for the previous answer…")):
+        session.messages += [{"role": "user", "content": answer.question},
+                             {"role": "assistant", "content": content}]
+        answer.reply = session.messages[-1]
+    session.current, session.waiting = streaming, [waiting]
+    handlers.new_conversation(session)
+    streaming.reply["content"] = "The heart is enlarged"  # the cancelled threads write on
+    waiting.reply["content"] = "Searching the literature…"
+    session.current, session.waiting = None, []  # (their events end)
+    chat, _ = handlers.restore_conversation(session)
+    assert chat[3]["content"] == "The heart\n\n_(stopped)_" and "Not asked" in chat[5]["content"]
+    assert [(turn["question"], turn["stopped"]) for turn in session.turns] == \
+        [("Is there a pleural effusion?", False), ("Is the heart enlarged?", True)]
+
+    handlers.new_conversation(session)
+    refused = list(handlers.ask("Is there a mass? " * 2000, session))
+    assert "too long" in last_reply(refused[-1][0]) and handlers.restore_offer(session)["visible"] is True
+    session.close()

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # Said after a refused upload where a scan was open: nothing changed, and the questions go on about that one.
 _STILL_SHOWN = " The scan shown before is still open, and questions are still about it."
+_STOPPED = "\n\n_(stopped)_"  # under an answer Stop (or a clear) ended
+_NOT_ASKED = "Not asked: the conversation was stopped or started over."
 
 # Two asks of the same question (or of the box just emptied) this close together are one double click.
 DOUBLE_CLICK_S = 1.0
@@ -280,7 +282,6 @@ class _Handlers:
                 snapshot, answer = _copy(session.messages), None
             else:
                 answer = _Answer(question, session.scan)
-                session.cleared = None  # the new conversation is under way: the cleared one is let go
                 session.last_asked = (question, now, answer)
                 generation = session.generation
                 session.waiting.append(answer)
@@ -288,6 +289,7 @@ class _Handlers:
                 reply = {"role": "assistant", "content": _status("Searching the literature…" if session.current is None
                                                                  else "Waiting for the previous answer…")}
                 session.messages.append(reply)
+                answer.reply = reply
                 snapshot = _copy(session.messages)
         if answer is None:
             yield snapshot, question
@@ -298,7 +300,7 @@ class _Handlers:
             while turn is None:  # this question's turn: the previous answer done, the questions before it taken
                 with session.lock:
                     if session.generation != generation:  # stopped, new conversation or new scan meanwhile
-                        reply["content"] = _status("Not asked: the conversation was stopped or started over.")
+                        reply["content"] = _status(_NOT_ASKED)
                         turn = False
                     elif session.current is None and session.waiting[0] is answer:
                         session.waiting.pop(0)
@@ -378,6 +380,7 @@ class _Handlers:
                     answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())
+                    session.cleared = None  # the new conversation has an answer: the cleared one is let go
                     # The answer is complete: the next question may be asked while the pipeline goes
                     # on to warm the next turn in this generator.
                     session.current = None
@@ -396,10 +399,11 @@ class _Handlers:
             if session.current is not None:
                 session.generation += 1
                 session.turns.append(session.current.record(stopped=True))
+                session.cleared = None  # a stopped turn is the new conversation's: the cleared one is let go
+                reply = session.current.reply  # (not the last message: a question asked meanwhile may follow)
                 session.current = None
-                reply = session.messages[-1] if session.messages else None
-                if reply is not None and reply["role"] == "assistant":
-                    reply["content"] = str(reply["content"]) + "\n\n_(stopped)_"
+                if reply is not None:
+                    reply["content"] = str(reply["content"]) + _STOPPED
             return _copy(session.messages)
 
     def new_conversation(self, session: _Session | None):
@@ -413,7 +417,7 @@ class _Handlers:
             if session.current is not None:  # cleared mid-answer: kept as a stopped turn, as Stop keeps it
                 turns = [*turns, session.current.record(stopped=True)]
             if turns:  # (clearing an empty chat keeps what an earlier clear set aside)
-                session.cleared = (session.messages, turns, session.conversation.history)
+                session.cleared = (_set_aside(session), turns, list(session.conversation.history))
             session.current = None
             session.messages = []
             session.turns = []
@@ -474,9 +478,24 @@ def _injection_finding(done: Done, conversation, question: str):
 
 
 def _restorable(session: _Session | None) -> tuple | None:
-    """The conversation set aside by the last clear, while it can come back (the next question, or a
-    new scan's session, lets it go)."""
-    return session.cleared if session is not None else None
+    """The conversation set aside by the last clear, while it can come back: not while a question of
+    the new conversation is answered (its first answer, or Stop, lets it go, as a new scan's session does)."""
+    if session is None or session.current is not None or session.waiting:
+        return None
+    return session.cleared
+
+
+def _set_aside(session: _Session) -> list[dict]:
+    """Copies of the chat's messages as a clear leaves them (under the session's lock): the answer
+    streaming marked stopped and the questions waiting behind it not asked, as Stop would leave them.
+    Copies, so the cancelled answers' threads never change what Restore brings back."""
+    copies = {id(message): dict(message) for message in session.messages}
+    if session.current is not None and id(session.current.reply) in copies:
+        copies[id(session.current.reply)]["content"] = str(session.current.reply["content"]) + _STOPPED
+    for waiting in session.waiting:
+        if id(waiting.reply) in copies:
+            copies[id(waiting.reply)]["content"] = _status(_NOT_ASKED)
+    return list(copies.values())
 
 
 def _copy(messages: list[dict]) -> list[dict]:

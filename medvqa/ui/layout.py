@@ -114,7 +114,11 @@ _PAGE_JS = """
   announcer.className = "medvqa-sr-only";
   announcer.setAttribute("aria-live", "polite");
   document.body.appendChild(announcer);
-  let announced = "";
+  const heard = [];  // per answer in the chat, the text read out
+  let restoring = false;  // Restore pressed: the conversation it brings back is not read out whole
+  document.addEventListener("click", (event) => {
+    if (event.target.closest && event.target.closest("#medvqa-restore")) restoring = true;
+  });
   const speak = () => {
     const chat = document.querySelector("#medvqa-chat");
     if (!chat) return;
@@ -123,19 +127,29 @@ _PAGE_JS = """
     for (const named of chat.querySelectorAll(`[aria-label^="bot's message"], [aria-label^="user's message"]`)) {
       named.removeAttribute("aria-label");
     }
-    const answers = chat.querySelectorAll(".message-row.bot-row");
-    const last = answers[answers.length - 1];
-    if (!last || !(last.querySelector(".medvqa-sources, .medvqa-error") || last.textContent.includes("(stopped)"))) {
-      return;
+    const answers = [...chat.querySelectorAll(".message-row.bot-row")];
+    if (answers.length < heard.length) heard.length = answers.length;  // a new conversation
+    if (restoring && answers.length && answers.every(finished)) {  // a restored conversation: its last answer
+      restoring = false;
+      answers.slice(0, -1).forEach((row, i) => { heard[i] = said(row); });
     }
-    const copy = last.cloneNode(true);
+    const news = [];  // every answer finished since: one that a question asked meanwhile follows is read too
+    answers.forEach((row, i) => {
+      if (!finished(row)) return;
+      const text = said(row);
+      if (heard[i] !== text) {
+        heard[i] = text;
+        news.push(text);
+      }
+    });
+    if (news.length) announcer.textContent = news.join(" ");
+  };
+  const finished = (row) => row.querySelector(".medvqa-sources, .medvqa-error")
+    || row.textContent.includes("(stopped)");
+  const said = (row) => {  // the answer less its list of passages
+    const copy = row.cloneNode(true);
     copy.querySelectorAll(".medvqa-sources:not(.medvqa-no-sources), button").forEach((el) => el.remove());
-    const text = copy.textContent.replace(/\\s+/g, " ").trim();
-    const key = answers.length + ":" + text;
-    if (key !== announced) {
-      announced = key;
-      announcer.textContent = text;
-    }
+    return copy.textContent.replace(/\\s+/g, " ").trim();
   };
   const settle = () => {
     speak();
@@ -164,15 +178,20 @@ _PAGE_JS = """
       log.scrollTop = log.scrollHeight;  // a question, or an answer that fits: the end, as Gradio scrolls
     }
   };
-  let pending = null, shown = "", messages = 0, scrolled = false;
+  let pending = null, since = 0, shown = "", messages = 0, scrolled = false;
   for (const kind of ["wheel", "touchmove", "pointerdown", "keydown"]) {
     document.addEventListener(kind, (event) => {
       if (event.target.closest && event.target.closest("#medvqa-chat")) scrolled = true;
     }, {passive: true});
   }
-  const later = () => {
+  const later = () => {  // after Gradio's own scroll to the end; at least every 300 ms while the chat streams
+    if (pending !== null && Date.now() - since > 300) return;
+    if (pending === null) since = Date.now();
     clearTimeout(pending);
-    pending = setTimeout(settle, 60);  // after Gradio's own scroll to the end
+    pending = setTimeout(() => {
+      pending = null;
+      settle();
+    }, 60);
   };
   new MutationObserver(later).observe(document.body, {childList: true, subtree: true, characterData: true});
   // Gradio may scroll to the end again after the last change (a scroll, but no user input before it).
@@ -190,7 +209,8 @@ _PAGE_JS = """
   new MutationObserver(accordions).observe(document.body, {childList: true, subtree: true, attributes: true,
                                                            attributeFilter: ["class"]});
   // Gradio sets a message's aria-label again when its text changes.
-  new MutationObserver(later).observe(document.body, {subtree: true, attributes: true, attributeFilter: ["aria-label"]});
+  new MutationObserver(later).observe(document.body,
+                                      {subtree: true, attributes: true, attributeFilter: ["aria-label"]});
   document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
 }
 """
@@ -348,6 +368,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         answering = taking.then(handlers.ask, [asked, session], [chatbot, question], api_name="ask",
                                 concurrency_limit=concurrency, concurrency_id="answer", show_progress="hidden",
                                 trigger_mode="multiple")
+        answering.then(**restore_offer)  # a question refused (too long) keeps the cleared conversation: offered again
         stop_button.click(handlers.stop, [session], [chatbot], cancels=[answering], api_name="stop")
         new_button.click(handlers.new_conversation, [session], [chatbot, question, transcript_links],
                          cancels=[answering], api_name="new_conversation").then(**restore_offer).then(**warming)

@@ -88,10 +88,13 @@ class _PacsHandlers:
     def find(self, identifier: str, found: list[RemoteSeries] | None, request: gr.Request = None):
         """List the study's series (modality, slice count); returns the cleared box, the series
         choices, a status line and the tab's list of series."""
+        cancel = None
         try:
             with self._transfer(request) as cancel:
                 series = self.pacs.find_series(identifier, cancel=cancel)
         except PacsError as error:
+            if cancel is not None and cancel.is_set():  # Cancel pressed (its status line says so): the series
+                return "", gr.skip(), gr.skip(), gr.skip()  # found before stay listed
             return "", gr.Dropdown(choices=[], value=None, visible=False), _status(str(error)), None
         except Exception:  # noqa: BLE001 - the app keeps serving; the message may hold the identifier
             log.error("the PACS query failed unexpectedly")
@@ -157,7 +160,9 @@ class _PacsHandlers:
         with session.lock:
             kept = [series for series in session.study.series if series.number != source.number]
             notes = session.study.notes + [note for note in study.notes if note not in session.study.notes]
-            session.study = study.with_series(sorted(kept + [source], key=lambda series: series.number), notes)
+            # The patients of every series joined so far: a later series naming another is still told apart.
+            session.study = study.with_series(sorted(kept + [source], key=lambda series: series.number), notes,
+                                              session.study.patients | study.patients)
         return self.handlers.set_series(source.number, session)
 
 

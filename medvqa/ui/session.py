@@ -43,7 +43,8 @@ class _Session:
     current: _Answer | None = None  # the answer being streamed
     waiting: list = field(default_factory=list)  # questions asked meanwhile (_Answer), answered in this order
     # What the last New conversation (or the chat's bin) cleared: (messages, turns, history), which
-    # the Restore button brings back until the next question (handlers.restore_conversation).
+    # the Restore button brings back until a turn of the new conversation is answered or stopped
+    # (handlers.restore_conversation).
     cleared: tuple | None = None
     # The last question asked, when (time.monotonic) and its _Answer: a double click asks it once (handlers.ask).
     last_asked: tuple = ("", float("-inf"), None)
@@ -161,6 +162,7 @@ class _Answer:
     refused: bool = False  # the pipeline refused the question (too long): it goes back to the question box
     head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
     open_choice: dict | None = None  # an open answer the decoder chose among training answers (Done.open_choice)
+    reply: dict | None = field(default=None, repr=False, compare=False)  # the chat message that shows it
 
     def _marks(self) -> list:
         """One support mark per passage (a passage without one is related literature)."""
