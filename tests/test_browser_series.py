@@ -48,6 +48,16 @@ def test_a_zipped_series_in_the_browser(page, tmp_path, ui_pipeline):  # noqa: F
     for _ in range(3):
         page.keyboard.press("ArrowRight")
     wait_for_caption(page, "series 1 · slice 24 of 40 · 7.5 mm")
+    # The wheel over the scan scrolls slices (a notch a slice, down to the next), not the page.
+    page.hover("#medvqa-scan")
+    scrolled = page.evaluate("() => window.scrollY")
+    for _ in range(2):
+        page.mouse.wheel(0, 100)
+        page.wait_for_timeout(100)
+    wait_for_caption(page, "series 1 · slice 26 of 40 · 12.5 mm")
+    page.mouse.wheel(0, -100)
+    wait_for_caption(page, "series 1 · slice 25 of 40 · 10 mm")
+    assert page.evaluate("() => window.scrollY") == scrolled
     number = page.locator("#medvqa-frame input[type=number]")
     number.fill("30")
     number.press("Tab")

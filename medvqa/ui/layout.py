@@ -77,6 +77,7 @@ _CSS = """
 # - The chat scrolls to the end of each update, as Gradio's autoscroll does, but where the latest answer
 #   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
 #   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
+# - The mouse wheel over the scan scrolls a series' slices.
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 # - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
 #   their ▼ sign is not read out.
@@ -100,6 +101,23 @@ _PAGE_JS = """
       range.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
     }
   });
+  // The wheel over the scan scrolls a series' slices, as in a PACS viewer (one slice a notch; a touchpad's
+  // small steps add up); over a single image the page scrolls as usual.
+  let wheeled = 0;
+  document.addEventListener("wheel", (event) => {
+    const range = document.querySelector("#medvqa-frame input[type=range]");
+    if (!event.target.closest || !event.target.closest("#medvqa-viewer") || !range || range.offsetParent === null
+        || event.ctrlKey) return;  // (Ctrl+wheel zooms the page)
+    event.preventDefault();
+    wheeled += event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
+    if (Math.abs(wheeled) < 40) return;
+    const step = Math.sign(wheeled);
+    wheeled = 0;
+    const value = Math.min(Number(range.max), Math.max(Number(range.min), Number(range.value) + step));
+    if (value === Number(range.value)) return;
+    range.value = String(value);
+    range.dispatchEvent(new Event("input", {bubbles: true}));
+  }, {passive: false});
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();
