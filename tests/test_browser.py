@@ -197,6 +197,20 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
     page.wait_for_function(
         "() => document.querySelector('#medvqa-viewer').innerText.includes('user window (C 72 / W 299)')")
 
+    # A drag on the scan sets the window as a PACS viewer's does: right widens it, down raises its centre.
+    box = page.locator("#medvqa-scan").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x + 50, y + 25, steps=5)
+    page.mouse.up()
+    page.wait_for_function("() => /user window \\(C (\\d+) \\/ W (\\d+)\\)/.test(document.querySelector('#medvqa-viewer')"
+                           ".innerText) && !document.querySelector('#medvqa-viewer').innerText.includes('W 299')")
+    centre, window_width = map(int, re.search(r"user window \(C (\d+) / W (\d+)\)",
+                                              page.inner_text("#medvqa-viewer")).groups())
+    assert centre > 72 and window_width > 299, (centre, window_width)
+    assert (center.input_value(), width.input_value()) == (str(centre), str(window_width))
+
 
 def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     """Enter in the question box asks (Shift+Enter would start a new line); an error that follows an answer

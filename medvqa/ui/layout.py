@@ -77,7 +77,7 @@ _CSS = """
 # - The chat scrolls to the end of each update, as Gradio's autoscroll does, but where the latest answer
 #   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
 #   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
-# - The mouse wheel over the scan scrolls a series' slices.
+# - The mouse wheel over the scan scrolls a series' slices; a drag on it sets the window.
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 # - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
 #   their ▼ sign is not read out.
@@ -118,6 +118,47 @@ _PAGE_JS = """
     range.value = String(value);
     range.dispatchEvent(new Event("input", {bubbles: true}));
   }, {passive: false});
+  // Dragging on the scan sets its window, as in a PACS viewer: right widens it, down raises its centre (darker);
+  // each pixel dragged moves it by a thousandth of the slider's range (at least 1). The image follows several
+  // times a second while dragging (each as a release of the width slider, which reports both values).
+  let drag = null;
+  const slid = (range, value) => {
+    const clamped = Math.min(Number(range.max), Math.max(Number(range.min), Math.round(value)));
+    if (String(clamped) === range.value) return false;
+    range.value = String(clamped);
+    range.dispatchEvent(new Event("input", {bubbles: true}));
+    return true;
+  };
+  const windowed = () => drag.width.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
+  document.addEventListener("pointerdown", (event) => {
+    const center = document.querySelector("#medvqa-center input[type=range]");
+    const width = document.querySelector("#medvqa-width input[type=range]");
+    if (!event.target.closest || !event.target.closest("#medvqa-scan") || event.button !== 0 || !center || !width
+        || center.offsetParent === null) return;
+    event.preventDefault();  // no native image drag
+    drag = {x: event.clientX, y: event.clientY, center, width, from: [Number(center.value), Number(width.value)],
+            sent: Date.now(), moved: false};
+  });
+  document.addEventListener("pointermove", (event) => {
+    if (!drag) return;
+    const per = (range) => Math.max(1, (Number(range.max) - Number(range.min)) / 1000);
+    const centred = slid(drag.center, drag.from[0] + (event.clientY - drag.y) * per(drag.center));
+    const widened = slid(drag.width, drag.from[1] + (event.clientX - drag.x) * per(drag.width));
+    drag.moved = drag.moved || centred || widened;
+    if (drag.moved && Date.now() - drag.sent > 250) {
+      drag.sent = Date.now();
+      windowed();
+    }
+  });
+  document.addEventListener("pointerup", (event) => {
+    if (!drag || !event.isTrusted) return;  // (the release dispatched above bubbles here too)
+    if (drag.moved) windowed();
+    drag = null;
+  });
+  document.addEventListener("pointercancel", () => {  // a touch the browser took for scrolling the page
+    if (drag && drag.moved) windowed();
+    drag = null;
+  });
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();
