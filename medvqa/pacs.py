@@ -50,12 +50,14 @@ from urllib.parse import quote, urljoin, urlsplit
 
 from .imaging import ScanError, ScanLimits, Study, open_study
 from .imaging.defined_terms import MODALITY
+from .imaging.dicom import patient_id_key
 from .imaging.guard import _quiet_logs
 from .pacs_stream import PacsError, multipart_bodies, multipart_boundary, read_whole, utf8_chunks
 
 ENV_USERNAME, ENV_PASSWORD, ENV_TOKEN = "MEDVQA_PACS_USERNAME", "MEDVQA_PACS_PASSWORD", "MEDVQA_PACS_TOKEN"
 _UID = re.compile(r"[0-9]+(\.[0-9]+)+")
 _MODALITY, _STUDY_UID, _SERIES_UID, _COUNT, _FRAMES = "00080060", "0020000D", "0020000E", "00201209", "00280008"
+_PATIENT_ID = "00100020"  # read only to tell two patients under one study apart, as keyed digests
 _ACCESSION = re.compile(r"[A-Za-z0-9 ._/-]{1,16}")  # DICOM SH: 16 characters
 _CHUNK = 64 * 1024
 _MAX_REDIRECTS = 3
@@ -143,8 +145,8 @@ class Pacs:
     def find_series(self, identifier: str, cancel: threading.Event | None = None) -> FoundSeries:
         """The series of the study named by `identifier` (a Study Instance UID, or else an accession
         number). Raises PacsError when nothing is found, when an accession number names several studies
-        (their series are never listed as one study's), when the archive cannot be reached, or when the
-        Find runs past its deadline or is cancelled."""
+        or the study is filed under several patients (their series are never listed as one study's), when
+        the archive cannot be reached, or when the Find runs past its deadline or is cancelled."""
         identifier = (identifier or "").strip()
         limits = self.limits
         if _UID.fullmatch(identifier) and len(identifier) <= 64:
@@ -194,19 +196,30 @@ class Pacs:
         limits = self.limits
         key = "StudyInstanceUID" if by_uid else "AccessionNumber"
         answer = transfer.json_entries("/studies", [(key, identifier), ("includefield", "StudyInstanceUID"),
+                                                    ("includefield", "PatientID"),
                                                     ("limit", str(limits.max_answer_entries))])
         studies: list[str] = []
+        patients: set[bytes] = set()  # keyed digests of the patient IDs the entries name, never the IDs
         for entry in answer:
             uid = _value(entry, _STUDY_UID)
-            if not isinstance(uid, str) or not _UID.fullmatch(uid) or uid in studies:
+            if not isinstance(uid, str) or not _UID.fullmatch(uid):
                 continue
             if by_uid and uid != identifier:  # an archive that ignored the key: not the study asked for
+                continue
+            if (patient := patient_id_key(_value(entry, _PATIENT_ID))) is not None:
+                patients.add(patient)
+            if uid in studies:
                 continue
             studies.append(uid)
             if len(studies) > limits.max_studies:
                 break
         if len(studies) > 1:
             raise PacsError(_several_studies(len(studies), limits.max_studies))
+        if len(patients) > 1:  # one study UID filed under several patients (an archive data error; Orthanc
+            # keeps such a study once per patient): its series are never listed as one study's
+            raise PacsError(f"The PACS files this study under {len(patients)} different patients (an archive data "
+                            "error), so its series were not listed: they may be different patients'. Ask the "
+                            "archive's administrator to correct the study.")
         return (studies[0] if studies else None), answer.capped
 
     def fetch(self, series: RemoteSeries, progress: Callable[[int, int], None] | None = None,

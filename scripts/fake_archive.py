@@ -34,6 +34,7 @@ class Behaviour:
     study_copies: int = 1  # entries in the answer to a study query (0: 204 No Content, as some archives say "none")
     distinct_studies: int = 1  # how many different studies those entries name (cycled); a query by
     # StudyInstanceUID is answered with that one
+    patients: int = 1  # how many different patient IDs those entries name (cycled)
     instances: list[bytes] = field(default_factory=list)  # the series' DICOM files
     instance_padding: int = 0  # bytes appended to each instance (a series of huge instances)
     redirect_to: str = ""  # answer every request with a redirect to this base URL
@@ -120,7 +121,9 @@ class FakeArchive:
         batch = []
         for n in range(behaviour.study_copies):  # written as it is made: 600,000 entries never sit in memory
             uid = query.get("StudyInstanceUID", [f"{STUDY_UID}.{n % max(behaviour.distinct_studies, 1)}"])[0]
-            batch.append(json.dumps({"0020000D": {"vr": "UI", "Value": [uid]}}))
+            patient = f"FAKE-PATIENT-{n % max(behaviour.patients, 1)}"
+            batch.append(json.dumps({"0020000D": {"vr": "UI", "Value": [uid]},
+                                     "00100020": {"vr": "LO", "Value": [patient]}}))
             if len(batch) == 1000 or n == behaviour.study_copies - 1:
                 self._write(handler, (("," if n >= len(batch) else "") + ",".join(batch)).encode())
                 batch = []

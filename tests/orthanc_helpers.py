@@ -41,6 +41,7 @@ class RunningOrthanc:
     accession: str
     shared_study_uids: list[str]  # the two studies with SHARED_ACCESSION
     multi_series: list[bytes]  # the files of the study with MULTI_ACCESSION, as an upload of it would hold them
+    two_patient_uid: str  # one Study Instance UID stored under two patients (an archive data error)
     storage: Path
     log: Path
 
@@ -104,7 +105,11 @@ def orthanc(tmp_path_factory):
                         *ct_series(20, study_uid=multi_uid, AccessionNumber=MULTI_ACCESSION)]
         for data in multi_series:  # one at a time, in this order: the archive's order of the series
             store([data])
+        two_patient_uid = pydicom.uid.generate_uid()
+        for patient, count in (("TWO-PATIENT-A", 3), ("TWO-PATIENT-B", 4)):
+            store(ct_series(count, study_uid=two_patient_uid, PatientID=patient, AccessionNumber="TWOPAT1"))
         yield RunningOrthanc(url, f"{url}/dicom-web", study_uid(planted), PLANTED["AccessionNumber"],
-                             [study_uid(study) for study in shared], multi_series, root / "storage", log)
+                             [study_uid(study) for study in shared], multi_series, two_patient_uid,
+                             root / "storage", log)
     finally:
         stop_process(process)

@@ -114,6 +114,16 @@ def test_an_accession_number_of_two_studies_lists_neither_and_asks_for_the_study
         assert found.slices == slices
 
 
+def test_a_study_uid_stored_under_two_patients_is_not_listed(orthanc):  # noqa: F811
+    """Orthanc keeps a Study Instance UID sent under two patient IDs as two studies; searched for, both
+    answer. Their series are not listed as one study's, by UID or by accession number."""
+    pacs = Pacs(orthanc.dicomweb, env=CREDENTIALS)
+    for identifier in (orthanc.two_patient_uid, "TWOPAT1"):
+        with pytest.raises(PacsError, match="files this study under 2 different patients") as refused:
+            pacs.find_series(identifier)
+        assert "TWO-PATIENT" not in str(refused.value) and orthanc.two_patient_uid not in str(refused.value)
+
+
 def test_the_command_line_reads_the_identifier_from_stdin(orthanc, monkeypatch, capsys):  # noqa: F811
     from medvqa.__main__ import main
 

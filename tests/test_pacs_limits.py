@@ -275,3 +275,15 @@ def test_a_series_naming_another_patient_under_the_study_shown_starts_a_new_conv
     assert "This series names another patient than the series shown before" in notes
     assert "PAT-OTHER-4417" not in notes + repr(other.study)
     other.close()
+
+
+def test_a_study_filed_under_two_patients_is_not_listed(archive):
+    """An archive may file one Study Instance UID under two patients (Orthanc keeps it once per patient).
+    Its series are never listed as one study's; the refusal names neither patient."""
+    archive.behaviour.study_copies, archive.behaviour.patients = 2, 2
+    with pytest.raises(PacsError) as refused:
+        Pacs(archive.url).find_series(FAKE.STUDY_UID)
+    assert "files this study under 2 different patients" in str(refused.value)
+    assert "FAKE-PATIENT" not in str(refused.value) and len(archive.requests) == 1  # no series query made
+    archive.behaviour.patients = 1  # the same patient twice: one study
+    assert len(Pacs(archive.url).find_series(FAKE.STUDY_UID)) == 1

@@ -125,9 +125,14 @@ _PATIENT_KEY_SECRET = secrets.token_bytes(32)
 
 def _patient_key(ds: Dataset) -> bytes | None:
     """Equal for two files naming the same patient ID: to tell files of different patients apart (one
-    study's files mixed up, an archive filing two patients under one study) without keeping the ID.
-    A digest keyed with a secret of this process; None when the file names no patient ID."""
-    patient = str(_value_or_none(ds, "PatientID") or "").strip()
+    study's files mixed up, an archive filing two patients under one study) without keeping the ID."""
+    return patient_id_key(_value_or_none(ds, "PatientID"))
+
+
+def patient_id_key(patient_id) -> bytes | None:
+    """A patient ID as a digest keyed with a secret of this process (equal for equal IDs, and nothing
+    else can be learnt from it); None when there is no ID. A PACS answer's IDs are compared this way too."""
+    patient = str(patient_id or "").strip()
     if not patient:
         return None
     return hashlib.blake2b(patient.encode("utf-8", "replace"), key=_PATIENT_KEY_SECRET, digest_size=16).digest()
