@@ -24,7 +24,7 @@ from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
 from ..safe_text import visible
 from .budget import DecodedBudget
-from .render import _error_html, _error_message, _escape_model_text, _render_answer, _status
+from .render import _error_html, _error_message, _escape_model_text, _note, _render_answer, _status
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
@@ -89,7 +89,7 @@ class _Handlers:
         session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study,
                            budget=self.budget)
         if closed_turns:  # said, so that a clinician who meant to keep it knows it is gone and how to keep one
-            session.messages.append({"role": "assistant", "content": _status(
+            session.messages.append({"role": "assistant", "content": _note(
                 f"A new scan starts a new conversation: the previous one ({closed_turns} "
                 f"answer{'s' if closed_turns > 1 else ''}, about the other scan) is closed and no longer kept. "
                 "To keep a conversation, export it before opening another scan.")})
@@ -300,7 +300,7 @@ class _Handlers:
             while turn is None:  # this question's turn: the previous answer done, the questions before it taken
                 with session.lock:
                     if session.generation != generation:  # stopped, new conversation or new scan meanwhile
-                        reply["content"] = _status(_NOT_ASKED)
+                        reply["content"] = _note(_NOT_ASKED)
                         turn = False
                     elif session.current is None and session.waiting[0] is answer:
                         session.waiting.pop(0)
@@ -494,7 +494,7 @@ def _set_aside(session: _Session) -> list[dict]:
         copies[id(session.current.reply)]["content"] = str(session.current.reply["content"]) + _STOPPED
     for waiting in session.waiting:
         if id(waiting.reply) in copies:
-            copies[id(waiting.reply)]["content"] = _status(_NOT_ASKED)
+            copies[id(waiting.reply)]["content"] = _note(_NOT_ASKED)
     return list(copies.values())
 
 

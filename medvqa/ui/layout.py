@@ -167,14 +167,16 @@ _PAGE_JS = """
   });
   // Gradio's chat is a polite live region, so a screen reader reads a streamed answer token by token, and
   // it names each message by its raw HTML. The chat is kept quiet and unnamed here; each finished answer
-  // (its sources, an error, or "(stopped)"), less its list of sources, is read once from a region of its own.
+  // (its sources, an error, a note of the app's, or "(stopped)"), less its list of sources, is read once from a
+  // region of its own.
   const announcer = document.createElement("div");
   announcer.id = "medvqa-announce";
   announcer.className = "medvqa-sr-only";
   announcer.setAttribute("aria-live", "polite");
   document.body.appendChild(announcer);
-  const heard = [];  // per answer in the chat, the text read out
-  let restoring = false;  // Restore pressed: the conversation it brings back is not read out whole
+  // Answers before `settled` are finished and read (a finished answer stays as it is), so each pass looks
+  // only at the answers after them: a long conversation costs a streaming answer nothing.
+  let settled = 0, restoring = false;  // restoring: Restore pressed, its conversation is not read out whole
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest("#medvqa-restore")) restoring = true;
   });
@@ -186,25 +188,22 @@ _PAGE_JS = """
     for (const named of chat.querySelectorAll(`[aria-label^="bot's message"], [aria-label^="user's message"]`)) {
       named.removeAttribute("aria-label");
     }
-    const answers = [...chat.querySelectorAll(".message-row.bot-row")];
-    if (answers.length < heard.length) heard.length = answers.length;  // a new conversation
-    if (restoring && answers.length && answers.every(finished)) {  // a restored conversation: its last answer
+    const answers = chat.querySelectorAll(".message-row.bot-row");
+    if (answers.length < settled) settled = 0;  // a new conversation
+    if (restoring && answers.length && [...answers].every(finished)) {  // a restored conversation: its last answer
       restoring = false;
-      answers.slice(0, -1).forEach((row, i) => { heard[i] = said(row); });
+      settled = answers.length - 1;
     }
     const news = [];  // every answer finished since: one that a question asked meanwhile follows is read too
-    answers.forEach((row, i) => {
-      if (!finished(row)) return;
-      const text = said(row);
-      if (heard[i] !== text) {
-        heard[i] = text;
-        news.push(text);
-      }
-    });
+    for (let i = settled; i < answers.length; i++) {
+      if (!finished(answers[i])) break;  // (answers finish in the order asked)
+      news.push(said(answers[i]));
+      settled = i + 1;
+    }
     if (news.length) announcer.textContent = news.join(" ");
   };
-  const finished = (row) => row.querySelector(".medvqa-sources, .medvqa-error")
-    || row.textContent.includes("(stopped)");
+  const finished = (row) => row.querySelector(".medvqa-sources, .medvqa-error, .medvqa-note")
+    || [...row.querySelectorAll("em")].some((mark) => mark.textContent === "(stopped)");
   const said = (row) => {  // the answer less its list of passages
     const copy = row.cloneNode(true);
     copy.querySelectorAll(".medvqa-sources:not(.medvqa-no-sources), button").forEach((el) => el.remove());

@@ -221,6 +221,12 @@ def _status(text: str) -> str:
     return f'<span class="medvqa-status"><em>{html.escape(text)}</em></span>'
 
 
+def _note(text: str) -> str:
+    """A line of the app's that stays in the chat (a question not asked, a conversation closed), styled as
+    a status line; the page reads it out to a screen reader as it reads a finished answer."""
+    return f'<span class="medvqa-status medvqa-note"><em>{html.escape(text)}</em></span>'
+
+
 def _error_html(text: str) -> str:
     """An error shown in the chat: the app reports it there and keeps serving."""
     return f'<div class="medvqa-error">⚠ {html.escape(text)}</div>'
