@@ -212,6 +212,30 @@ def test_upload_ask_stream_cite_and_window(page, ui_pipeline):  # noqa: F811
     assert (center.input_value(), width.input_value()) == (str(centre), str(window_width))
 
 
+def test_a_drag_on_a_float_image_moves_its_window_by_its_own_steps(page, tmp_path):
+    """A float TIFF's sliders span less than one unit in steps of 0.001; a drag moves its window by such steps
+    (it used to jump by whole units, to the sliders' ends)."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "map.tiff"
+    Image.fromarray(np.linspace(0.0, 0.5, 64 * 64, dtype=np.float32).reshape(64, 64), "F").save(path)
+    upload_scan(page, str(path))
+    width = page.locator("#medvqa-width input[type=number]")
+    center = page.locator("#medvqa-center input[type=number]")
+    before = (float(center.input_value()), float(width.input_value()))
+    box = page.locator("#medvqa-scan").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    page.mouse.move(x - 20, y - 10, steps=4)  # narrower (its automatic window is about as wide as it goes)
+    page.mouse.up()
+    page.wait_for_function("() => document.querySelector('#medvqa-viewer').innerText.includes('user window')")
+    after = (float(center.input_value()), float(width.input_value()))
+    assert before[1] - after[1] == pytest.approx(0.02, abs=0.002), (before, after)
+    assert before[0] - after[0] == pytest.approx(0.01, abs=0.002), (before, after)
+
+
 def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
     """Enter in the question box asks (Shift+Enter would start a new line); an error that follows an answer
     is a chat message of its own, not a line added to the answer."""
@@ -237,6 +261,10 @@ def test_enter_asks_and_an_error_after_an_answer_is_a_message_of_its_own(page):
                            arg=answered, timeout=30_000)
     assert "Please type a question" in page.locator(LAST_REPLY).inner_text()
     page.wait_for_function("() => document.querySelector('#medvqa-announce').textContent.includes('Please type')")
+    # Another scan replaces the chat with a note that the conversation closed: it is read out too.
+    upload_scan(page, dicom_file("MR_small.dcm"))
+    page.wait_for_function("() => document.querySelector('#medvqa-announce').textContent"
+                           ".startsWith('A new scan starts a new conversation')")
     assert "Please type a question" not in replies.nth(answered - 1).inner_text()
     screenshot(page, "05b-error-as-its-own-message.png")
 

@@ -386,3 +386,28 @@ def test_a_conversation_cleared_mid_answer_comes_back_as_stop_would_leave_it(ui_
     refused = list(handlers.ask("Is there a mass? " * 2000, session))
     assert "too long" in last_reply(refused[-1][0]) and handlers.restore_offer(session)["visible"] is True
     session.close()
+
+
+def test_stop_marks_its_own_answer_and_says_the_questions_waiting_are_not_asked(ui_pipeline, upload_folder):
+    """Stop marks the answer it stopped (not the last message: a question asked meanwhile follows it) and
+    says at once that the questions waiting behind it are not asked."""
+    import shutil
+
+    from medvqa.ui.handlers import _Handlers
+    from medvqa.ui.session import _Answer
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    folder = upload_folder / "stop-waiting"
+    folder.mkdir()
+    *_, session = handlers.upload({"path": str(shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm"))}, None)
+    streaming, waiting = _Answer("Is the heart enlarged?", session.scan), _Answer("Is it a CT?", session.scan)
+    for answer, content in ((streaming, "The heart"), (waiting, "Waiting for the previous answer…")):
+        session.messages += [{"role": "user", "content": answer.question},
+                             {"role": "assistant", "content": content}]
+        answer.reply = session.messages[-1]
+    session.current, session.waiting = streaming, [waiting]
+    chat = handlers.stop(session)
+    assert chat[1]["content"] == "The heart\n\n_(stopped)_" and "Not asked" in chat[3]["content"]
+    assert "medvqa-note" in chat[3]["content"] and [turn["stopped"] for turn in session.turns] == [True]
+    session.waiting = []
+    session.close()

@@ -132,7 +132,7 @@ def _patient_key(ds: Dataset) -> bytes | None:
 def patient_id_key(patient_id) -> bytes | None:
     """A patient ID as a digest keyed with a secret of this process (equal for equal IDs, and nothing
     else can be learnt from it); None when there is no ID. A PACS answer's IDs are compared this way too."""
-    patient = str(patient_id or "").strip()
+    patient = str(patient_id or "").strip(" \t\r\n\0")  # (DICOM pads values with spaces, some writers with NUL)
     if not patient:
         return None
     return hashlib.blake2b(patient.encode("utf-8", "replace"), key=_PATIENT_KEY_SECRET, digest_size=16).digest()

@@ -404,6 +404,9 @@ class _Handlers:
                 session.current = None
                 if reply is not None:
                     reply["content"] = str(reply["content"]) + _STOPPED
+                for waiting in session.waiting:  # their events end so (the generation moved on), said at once
+                    if waiting.reply is not None:
+                        waiting.reply["content"] = _note(_NOT_ASKED)
             return _copy(session.messages)
 
     def new_conversation(self, session: _Session | None):

@@ -102,46 +102,72 @@ _PAGE_JS = """
     }
   });
   // The wheel over the scan scrolls a series' slices, as in a PACS viewer (one slice a notch; a touchpad's
-  // small steps add up); over a single image the page scrolls as usual.
+  // small steps add up); over a single image, at the first or last slice, or sideways, the page scrolls as
+  // usual. The listener sits on the viewer only, so it never holds up the page's own scrolling elsewhere.
   let wheeled = 0;
-  document.addEventListener("wheel", (event) => {
+  const onWheel = (event) => {
     const range = document.querySelector("#medvqa-frame input[type=range]");
-    if (!event.target.closest || !event.target.closest("#medvqa-viewer") || !range || range.offsetParent === null
-        || event.ctrlKey) return;  // (Ctrl+wheel zooms the page)
-    event.preventDefault();
+    if (!range || range.offsetParent === null || event.ctrlKey || !event.deltaY) return;  // (Ctrl+wheel: zoom)
     wheeled += event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
-    if (Math.abs(wheeled) < 40) return;
     const step = Math.sign(wheeled);
-    wheeled = 0;
     const value = Math.min(Number(range.max), Math.max(Number(range.min), Number(range.value) + step));
-    if (value === Number(range.value)) return;
+    if (value === Number(range.value)) {  // at the end of the series: the page scrolls on
+      wheeled = 0;
+      return;
+    }
+    event.preventDefault();
+    if (Math.abs(wheeled) < 40) return;
+    wheeled = 0;
     range.value = String(value);
     range.dispatchEvent(new Event("input", {bubbles: true}));
-  }, {passive: false});
+  };
+  const hookViewer = () => {  // (settle calls it: the viewer is drawn after this script runs)
+    const viewer = document.querySelector("#medvqa-viewer");
+    if (viewer && !viewer.dataset.medvqaWheel) {
+      viewer.dataset.medvqaWheel = "1";
+      viewer.addEventListener("wheel", onWheel, {passive: false});
+    }
+  };
   // Dragging on the scan sets its window, as in a PACS viewer: right widens it, down raises its centre (darker);
-  // each pixel dragged moves it by a thousandth of the slider's range (at least 1). The image follows several
-  // times a second while dragging (each as a release of the width slider, which reports both values).
+  // each pixel dragged moves it by a thousandth of the slider's range (at least one of its steps). The image
+  // follows several times a second while dragging (each as a release of the width slider, which reports both
+  // values); the viewer is marked busy meanwhile, so a screen reader reads its caption once, at the end.
   let drag = null;
+  const stepOf = (range) => Number(range.step) || 1;
   const slid = (range, value) => {
-    const clamped = Math.min(Number(range.max), Math.max(Number(range.min), Math.round(value)));
-    if (String(clamped) === range.value) return false;
-    range.value = String(clamped);
+    const low = Number(range.min), high = Number(range.max), step = stepOf(range);
+    const snapped = Math.min(high, Math.max(low, low + Math.round((value - low) / step) * step));
+    const text = String(Number(snapped.toFixed((String(range.step).split(".")[1] || "").length)));
+    if (Number(text) === Number(range.value)) return false;
+    range.value = text;
     range.dispatchEvent(new Event("input", {bubbles: true}));
     return true;
   };
   const windowed = () => drag.width.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
+  const endDrag = () => {
+    if (!drag) return;
+    if (drag.moved) windowed();
+    document.querySelector("#medvqa-viewer")?.removeAttribute("aria-busy");
+    drag = null;
+  };
   document.addEventListener("pointerdown", (event) => {
     const center = document.querySelector("#medvqa-center input[type=range]");
     const width = document.querySelector("#medvqa-width input[type=range]");
     if (!event.target.closest || !event.target.closest("#medvqa-scan") || event.button !== 0 || !center || !width
         || center.offsetParent === null) return;
-    event.preventDefault();  // no native image drag
+    event.preventDefault();  // no native image drag (and no focus change: a number box being typed in is left
+    document.activeElement?.blur?.();  // here, so that its value applies first, as a click elsewhere would)
     drag = {x: event.clientX, y: event.clientY, center, width, from: [Number(center.value), Number(width.value)],
             sent: Date.now(), moved: false};
+    document.querySelector("#medvqa-viewer")?.setAttribute("aria-busy", "true");
   });
   document.addEventListener("pointermove", (event) => {
     if (!drag) return;
-    const per = (range) => Math.max(1, (Number(range.max) - Number(range.min)) / 1000);
+    if (!(event.buttons & 1)) {  // the button was let go where no pointerup reached the page
+      endDrag();
+      return;
+    }
+    const per = (range) => Math.max(stepOf(range), (Number(range.max) - Number(range.min)) / 1000);
     const centred = slid(drag.center, drag.from[0] + (event.clientY - drag.y) * per(drag.center));
     const widened = slid(drag.width, drag.from[1] + (event.clientX - drag.x) * per(drag.width));
     drag.moved = drag.moved || centred || widened;
@@ -151,14 +177,9 @@ _PAGE_JS = """
     }
   });
   document.addEventListener("pointerup", (event) => {
-    if (!drag || !event.isTrusted) return;  // (the release dispatched above bubbles here too)
-    if (drag.moved) windowed();
-    drag = null;
+    if (event.isTrusted) endDrag();  // (the release dispatched above bubbles here too)
   });
-  document.addEventListener("pointercancel", () => {  // a touch the browser took for scrolling the page
-    if (drag && drag.moved) windowed();
-    drag = null;
-  });
+  document.addEventListener("pointercancel", endDrag);  // a touch the browser took for scrolling the page
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();
@@ -174,12 +195,18 @@ _PAGE_JS = """
   announcer.className = "medvqa-sr-only";
   announcer.setAttribute("aria-live", "polite");
   document.body.appendChild(announcer);
-  // Answers before `settled` are finished and read (a finished answer stays as it is), so each pass looks
-  // only at the answers after them: a long conversation costs a streaming answer nothing.
-  let settled = 0, restoring = false;  // restoring: Restore pressed, its conversation is not read out whole
-  document.addEventListener("click", (event) => {
-    if (event.target.closest && event.target.closest("#medvqa-restore")) restoring = true;
+  // Answers are read in order as they finish; `readUpTo` counts the leading ones read (a finished answer
+  // stays as it is, so each pass looks only at the rest), `readBeyond` the later ones already read (an error
+  // shown while an answer before it still streams is read at once). A chat replaced (a new scan's note, an
+  // error with no scan open) shows in the last answer read having changed: reading starts over.
+  let readUpTo = 0, lastRead = null, restoring = null;
+  const readBeyond = new Set();
+  document.addEventListener("click", (event) => {  // Restore: the conversation it brings is not read out whole
+    if (event.target.closest && event.target.closest("#medvqa-restore")) {
+      restoring = document.querySelectorAll("#medvqa-chat .message-row.bot-row").length;
+    }
   });
+  const mark = (row) => [row, row.textContent.length];
   const speak = () => {
     const chat = document.querySelector("#medvqa-chat");
     if (!chat) return;
@@ -189,16 +216,28 @@ _PAGE_JS = """
       named.removeAttribute("aria-label");
     }
     const answers = chat.querySelectorAll(".message-row.bot-row");
-    if (answers.length < settled) settled = 0;  // a new conversation
-    if (restoring && answers.length && [...answers].every(finished)) {  // a restored conversation: its last answer
-      restoring = false;
-      settled = answers.length - 1;
+    const last = readUpTo > 0 ? answers[readUpTo - 1] : null;
+    if (readUpTo > answers.length || (last && (last !== lastRead[0] || last.textContent.length !== lastRead[1]))) {
+      readUpTo = 0;  // another chat than the one read
+      readBeyond.clear();
     }
-    const news = [];  // every answer finished since: one that a question asked meanwhile follows is read too
-    for (let i = settled; i < answers.length; i++) {
-      if (!finished(answers[i])) break;  // (answers finish in the order asked)
-      news.push(said(answers[i]));
-      settled = i + 1;
+    if (restoring !== null && answers.length !== restoring && [...answers].every(finished)) {
+      restoring = null;  // the restored conversation: only its last answer is read
+      readUpTo = answers.length - 1;
+      readBeyond.clear();
+      if (readUpTo > 0) lastRead = mark(answers[readUpTo - 1]);
+    }
+    const news = [];
+    for (let i = readUpTo; i < answers.length; i++) {
+      if (!readBeyond.has(i) && finished(answers[i])) {
+        news.push(said(answers[i]));
+        readBeyond.add(i);
+      }
+    }
+    while (readBeyond.has(readUpTo)) {
+      readBeyond.delete(readUpTo);
+      lastRead = mark(answers[readUpTo]);
+      readUpTo += 1;
     }
     if (news.length) announcer.textContent = news.join(" ");
   };
@@ -210,6 +249,7 @@ _PAGE_JS = """
     return copy.textContent.replace(/\\s+/g, " ").trim();
   };
   const settle = () => {
+    hookViewer();
     speak();
     const viewer = document.querySelector("#medvqa-viewer");
     if (viewer && !viewer.hasAttribute("aria-live")) {
@@ -269,6 +309,7 @@ _PAGE_JS = """
   // Gradio sets a message's aria-label again when its text changes.
   new MutationObserver(later).observe(document.body,
                                       {subtree: true, attributes: true, attributeFilter: ["aria-label"]});
+  hookViewer();
   document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
 }
 """
