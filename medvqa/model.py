@@ -24,7 +24,7 @@ from torch import nn
 from .cache import LRU
 from .config import Settings, resolve_path
 from .projector import Projector, ProjectorShapeError, read_metadata
-from .vision import VisionEncoder, build_vision, encoder_sha256
+from .vision import VisionEncoder, build_vision, check_encoder_file, encoder_sha256
 
 log = logging.getLogger(__name__)
 
@@ -186,24 +186,9 @@ def checked_projector_file(settings: Settings) -> dict:
 def check_weight_files(settings: Settings) -> None:
     """Refuse, before the decoder's slow load (minutes on a first start), a profile whose EfficientNet
     encoder or trained projector file is absent, cut short, or (the projector) another encoder's."""
-    from .language_model import ModelFileError, ModelMissingError
-
     vision = settings.vision
     if vision.kind == "efficientnet_lite0" and not vision.name_or_path.startswith("tiny:"):
-        path = resolve_path(vision.name_or_path)
-        if not Path(path).is_file():
-            raise ModelMissingError(f"The image encoder's weights {path} were not found (vision.name_or_path); "
-                                    "rebuild them with scripts/train_encoder.py, or reinstall the package.")
-        if path.endswith(".safetensors"):
-            from safetensors import SafetensorError, safe_open
-
-            try:
-                with safe_open(path, framework="pt"):
-                    pass  # the header, and that the file holds every byte it lists
-            except (OSError, ValueError, SafetensorError) as error:
-                raise ModelFileError(f"The image encoder's weights {path} could not be read ({error}); rebuild "
-                                     "them with scripts/train_encoder.py, or check out the shipped file again.") \
-                    from error
+        check_encoder_file(resolve_path(vision.name_or_path))
     weights = settings.projector.weights
     if weights and not weights.startswith("hub:"):
         checked_projector_file(settings)

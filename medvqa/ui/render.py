@@ -77,7 +77,7 @@ def _render_answer(answer: _Answer, final: bool) -> str:
         confidence = f'<div class="medvqa-confidence">{html.escape(note)}</div>\n\n' if note else ""
     withheld = bool((answer.closed and answer.closed.get("abstained"))
                     or (answer.open_choice and answer.open_choice.get("abstained")))
-    if withheld:  # set apart from a given answer by a bar beside it (layout._CSS), not by colour alone
+    if withheld:  # set apart from a given answer by a bar beside it (page.PAGE_CSS), not by colour alone
         body = f'<div class="medvqa-withheld">\n\n{body}\n\n</div>'
     return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
                                                                 answer.support, withheld)

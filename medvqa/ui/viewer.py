@@ -43,7 +43,7 @@ def _viewer_html(scan: Scan) -> str:
     caption = (f"{scan.source_format.upper()} · {pixels.shape[1]}×{pixels.shape[0]} px · "
                f"{_place_caption(scan)} · {scan.describe_window()}")
     # A figure and its caption: a screen reader reads what is shown with the image (the page announces the
-    # viewer's changes, see layout._PAGE_JS).
+    # viewer's changes, see page.PAGE_JS).
     return (f'<figure class="medvqa-viewer"><img id="medvqa-scan" alt="The scan as the model sees it" '
             f'src="data:image/png;base64,{encoded}"/><figcaption class="medvqa-caption">{html.escape(caption)}'
             f'</figcaption></figure>')

@@ -1,0 +1,285 @@
+"""The page's own style and script, which Gradio's components do not give: contrast in both colour schemes,
+the keyboard, a screen reader's view of the chat, and the viewer's wheel and drag (build_app passes them to
+gr.Blocks as `css` and `js`)."""
+
+# Colours are checked against both of Gradio's schemes (it follows the system's; ".dark" on the page) and
+# under the chat's own 0.8 opacity: 4.5:1 or more for text. The notice keeps its light background in both,
+# so its text is set dark on every element inside it (Gradio's prose rules would give them the scheme's).
+# Ask and Stop are darker than the theme's orange and red (2.8:1 and 3.8:1 with their white text).
+PAGE_CSS = """
+#medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; }
+#medvqa-notice, #medvqa-notice * { color: #78350f !important; }
+.medvqa-viewer { margin: 0; }
+.medvqa-viewer img { width: 100%; max-width: 640px; height: auto; image-rendering: auto; background: #000; }
+.medvqa-caption { font-size: 0.85em; opacity: 0.8; margin-top: 4px; }
+.medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
+.medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
+.medvqa-error { color: #991b1b; }
+.dark .medvqa-error { color: #fca5a5; }
+.medvqa-withheld { border-left: 4px solid #6b7280; padding: 0 0 0 8px; }
+.medvqa-uncertain { font-style: italic; }
+.medvqa-mark { display: inline-block; vertical-align: top; font-size: 0.9em; }
+.medvqa-mark summary { cursor: pointer; }
+.medvqa-contradicts summary { color: #92400e; }
+.dark .medvqa-contradicts summary { color: #fcd34d; }
+.medvqa-injection { border-left: 4px solid #b91c1c; background: #fef2f2; color: #7f1d1d; padding: 6px 10px; }
+#medvqa-frame input[type=range]:focus-visible, #medvqa-center input[type=range]:focus-visible,
+#medvqa-width input[type=range]:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
+.medvqa-sr-only { position: absolute; width: 1px; height: 1px; overflow: hidden; clip-path: inset(50%); margin: 0; }
+#medvqa-question .info-text { color: #52525b; }
+.dark #medvqa-question .info-text { color: #d4d4d8; }
+.medvqa-out-of-flow { position: absolute !important; z-index: 10; }
+.medvqa-skip { position: absolute; left: -10000px; }
+.medvqa-skip:focus { position: static; background: #fff; color: #1d4ed8; padding: 4px 8px; }
+#medvqa-ask, #medvqa-stop { color: #fff !important; }
+#medvqa-ask { background: #c2410c !important; border-color: #c2410c !important; }
+#medvqa-ask:hover { background: #9a3412 !important; border-color: #9a3412 !important; }
+#medvqa-stop { background: #b91c1c !important; border-color: #b91c1c !important; }
+#medvqa-stop:hover { background: #991b1b !important; border-color: #991b1b !important; }
+"""
+
+# Run when the page loads.
+# - A slider's number box reports its value when it loses focus (Gradio's "release"): Enter there applies
+#   the value typed, as Tab would, and the box keeps the focus.
+# - The window sliders report a change on "release" only, which the arrow, Page and Home/End keys never
+#   send: a key that moved one sends it, as letting go of a drag does.
+# - The viewer announces what is shown (a new scan, frame or window) to a screen reader, once it is shown.
+# - The chat scrolls to the end of each update, as Gradio's autoscroll does, but where the latest answer
+#   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
+#   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
+# - The mouse wheel over the scan scrolls a series' slices; a drag on it sets the window.
+# - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
+# - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
+#   their ▼ sign is not read out.
+# - A screen reader is given each finished answer once (see `speak`), not the chat's every token.
+PAGE_JS = """
+() => {
+  const KEYS = ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "PageUp", "PageDown", "Home", "End"];
+  document.addEventListener("keydown", (event) => {
+    const box = event.target;
+    if (event.key === "Enter" && box instanceof HTMLInputElement && box.type === "number"
+        && box.closest("#medvqa-center, #medvqa-width, #medvqa-frame")) {
+      event.preventDefault();
+      box.blur();
+      box.focus();
+    }
+  });
+  document.addEventListener("keyup", (event) => {
+    const range = event.target;
+    if (KEYS.includes(event.key) && range instanceof HTMLInputElement && range.type === "range"
+        && range.closest("#medvqa-center, #medvqa-width")) {
+      range.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
+    }
+  });
+  // The wheel over the scan scrolls a series' slices, as in a PACS viewer (one slice a notch; a touchpad's
+  // small steps add up); over a single image, at the first or last slice, or sideways, the page scrolls as
+  // usual. The listener sits on the viewer only, so it never holds up the page's own scrolling elsewhere.
+  let wheeled = 0;
+  const onWheel = (event) => {
+    const range = document.querySelector("#medvqa-frame input[type=range]");
+    if (!range || range.offsetParent === null || event.ctrlKey || !event.deltaY) return;  // (Ctrl+wheel: zoom)
+    wheeled += event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
+    const step = Math.sign(wheeled);
+    const value = Math.min(Number(range.max), Math.max(Number(range.min), Number(range.value) + step));
+    if (value === Number(range.value)) {  // at the end of the series: the page scrolls on
+      wheeled = 0;
+      return;
+    }
+    event.preventDefault();
+    if (Math.abs(wheeled) < 40) return;
+    wheeled = 0;
+    range.value = String(value);
+    range.dispatchEvent(new Event("input", {bubbles: true}));
+  };
+  const hookViewer = () => {  // (settle calls it: the viewer is drawn after this script runs)
+    const viewer = document.querySelector("#medvqa-viewer");
+    if (viewer && !viewer.dataset.medvqaWheel) {
+      viewer.dataset.medvqaWheel = "1";
+      viewer.addEventListener("wheel", onWheel, {passive: false});
+    }
+  };
+  // Dragging on the scan sets its window, as in a PACS viewer: right widens it, down raises its centre (darker);
+  // each pixel dragged moves it by a thousandth of the slider's range (at least one of its steps). The image
+  // follows several times a second while dragging (each as a release of the width slider, which reports both
+  // values); the viewer is marked busy meanwhile, so a screen reader reads its caption once, at the end.
+  let drag = null;
+  const stepOf = (range) => Number(range.step) || 1;
+  const slid = (range, value) => {
+    const low = Number(range.min), high = Number(range.max), step = stepOf(range);
+    const snapped = Math.min(high, Math.max(low, low + Math.round((value - low) / step) * step));
+    const text = String(Number(snapped.toFixed((String(range.step).split(".")[1] || "").length)));
+    if (Number(text) === Number(range.value)) return false;
+    range.value = text;
+    range.dispatchEvent(new Event("input", {bubbles: true}));
+    return true;
+  };
+  const windowed = () => drag.width.dispatchEvent(new PointerEvent("pointerup", {bubbles: true}));
+  const endDrag = () => {
+    if (!drag) return;
+    if (drag.moved) windowed();
+    document.querySelector("#medvqa-viewer")?.removeAttribute("aria-busy");
+    drag = null;
+  };
+  document.addEventListener("pointerdown", (event) => {
+    const center = document.querySelector("#medvqa-center input[type=range]");
+    const width = document.querySelector("#medvqa-width input[type=range]");
+    if (!event.target.closest || !event.target.closest("#medvqa-scan") || event.button !== 0 || !center || !width
+        || center.offsetParent === null) return;
+    event.preventDefault();  // no native image drag (and no focus change: a number box being typed in is left
+    document.activeElement?.blur?.();  // here, so that its value applies first, as a click elsewhere would)
+    drag = {x: event.clientX, y: event.clientY, center, width, from: [Number(center.value), Number(width.value)],
+            sent: Date.now(), moved: false};
+    document.querySelector("#medvqa-viewer")?.setAttribute("aria-busy", "true");
+  });
+  document.addEventListener("pointermove", (event) => {
+    if (!drag) return;
+    if (!(event.buttons & 1)) {  // the button was let go where no pointerup reached the page
+      endDrag();
+      return;
+    }
+    const per = (range) => Math.max(stepOf(range), (Number(range.max) - Number(range.min)) / 1000);
+    const centred = slid(drag.center, drag.from[0] + (event.clientY - drag.y) * per(drag.center));
+    const widened = slid(drag.width, drag.from[1] + (event.clientX - drag.x) * per(drag.width));
+    drag.moved = drag.moved || centred || widened;
+    if (drag.moved && Date.now() - drag.sent > 250) {
+      drag.sent = Date.now();
+      windowed();
+    }
+  });
+  document.addEventListener("pointerup", (event) => {
+    if (event.isTrusted) endDrag();  // (the release dispatched above bubbles here too)
+  });
+  document.addEventListener("pointercancel", endDrag);  // a touch the browser took for scrolling the page
+  document.addEventListener("click", (event) => {
+    if (event.target.closest && event.target.closest(".medvqa-skip")) {
+      event.preventDefault();
+      document.querySelector("#medvqa-question textarea")?.focus();
+    }
+  });
+  // Gradio's chat is a polite live region, so a screen reader reads a streamed answer token by token, and
+  // it names each message by its raw HTML. The chat is kept quiet and unnamed here; each finished answer
+  // (its sources, an error, a note of the app's, or "(stopped)"), less its list of sources, is read once from a
+  // region of its own.
+  const announcer = document.createElement("div");
+  announcer.id = "medvqa-announce";
+  announcer.className = "medvqa-sr-only";
+  announcer.setAttribute("aria-live", "polite");
+  document.body.appendChild(announcer);
+  // Answers are read in order as they finish; `readUpTo` counts the leading ones read (a finished answer
+  // stays as it is, so each pass looks only at the rest), `readBeyond` the later ones already read (an error
+  // shown while an answer before it still streams is read at once). A chat replaced (a new scan's note, an
+  // error with no scan open) shows in the last answer read having changed: reading starts over.
+  let readUpTo = 0, lastRead = null, restoring = null;
+  const readBeyond = new Set();
+  document.addEventListener("click", (event) => {  // Restore: the conversation it brings is not read out whole
+    if (event.target.closest && event.target.closest("#medvqa-restore")) {
+      restoring = document.querySelectorAll("#medvqa-chat .message-row.bot-row").length;
+    }
+  });
+  const mark = (row) => [row, row.textContent.length];
+  const speak = () => {
+    const chat = document.querySelector("#medvqa-chat");
+    if (!chat) return;
+    const region = chat.querySelector("[role=log]");
+    if (region && region.getAttribute("aria-live") !== "off") region.setAttribute("aria-live", "off");
+    for (const named of chat.querySelectorAll(`[aria-label^="bot's message"], [aria-label^="user's message"]`)) {
+      named.removeAttribute("aria-label");
+    }
+    const answers = chat.querySelectorAll(".message-row.bot-row");
+    const last = readUpTo > 0 ? answers[readUpTo - 1] : null;
+    if (readUpTo > answers.length || (last && (last !== lastRead[0] || last.textContent.length !== lastRead[1]))) {
+      readUpTo = 0;  // another chat than the one read
+      readBeyond.clear();
+    }
+    if (restoring !== null && answers.length !== restoring && [...answers].every(finished)) {
+      restoring = null;  // the restored conversation: only its last answer is read
+      readUpTo = answers.length - 1;
+      readBeyond.clear();
+      if (readUpTo > 0) lastRead = mark(answers[readUpTo - 1]);
+    }
+    const news = [];
+    for (let i = readUpTo; i < answers.length; i++) {
+      if (!readBeyond.has(i) && finished(answers[i])) {
+        news.push(said(answers[i]));
+        readBeyond.add(i);
+      }
+    }
+    while (readBeyond.has(readUpTo)) {
+      readBeyond.delete(readUpTo);
+      lastRead = mark(answers[readUpTo]);
+      readUpTo += 1;
+    }
+    if (news.length) announcer.textContent = news.join(" ");
+  };
+  const finished = (row) => row.querySelector(".medvqa-sources, .medvqa-error, .medvqa-note")
+    || [...row.querySelectorAll("em")].some((mark) => mark.textContent === "(stopped)");
+  const said = (row) => {  // the answer less its list of passages
+    const copy = row.cloneNode(true);
+    copy.querySelectorAll(".medvqa-sources:not(.medvqa-no-sources), button").forEach((el) => el.remove());
+    return copy.textContent.replace(/\\s+/g, " ").trim();
+  };
+  const settle = () => {
+    hookViewer();
+    speak();
+    const viewer = document.querySelector("#medvqa-viewer");
+    if (viewer && !viewer.hasAttribute("aria-live")) {
+      viewer.setAttribute("aria-live", "polite");
+      viewer.setAttribute("aria-atomic", "true");
+    }
+    const log = document.querySelector("#medvqa-chat .bubble-wrap");
+    const rows = log ? log.querySelectorAll(".message-row") : [];
+    const last = rows[rows.length - 1];
+    if (!last) return;
+    // Not once the reader has scrolled the chat since its last message came: they stay where they went.
+    const seen = rows.length + ":" + last.textContent.length;
+    const changed = seen !== shown;
+    if (rows.length !== messages) scrolled = false;
+    shown = seen;
+    messages = rows.length;
+    if (scrolled) return;
+    // "Taller": with the chat's label above it and the answer's buttons below, it would not show whole.
+    if (last.classList.contains("bot-row") && last.offsetHeight > log.clientHeight - 96) {
+      const top = last.getBoundingClientRect().top - log.getBoundingClientRect().top + log.scrollTop;
+      const target = Math.max(0, Math.round(top - 32));  // the answer's first line, clear of the chat's label
+      if (Math.abs(log.scrollTop - target) > 1) log.scrollTop = target;
+    } else if (changed) {
+      log.scrollTop = log.scrollHeight;  // a question, or an answer that fits: the end, as Gradio scrolls
+    }
+  };
+  let pending = null, since = 0, shown = "", messages = 0, scrolled = false;
+  for (const kind of ["wheel", "touchmove", "pointerdown", "keydown"]) {
+    document.addEventListener(kind, (event) => {
+      if (event.target.closest && event.target.closest("#medvqa-chat")) scrolled = true;
+    }, {passive: true});
+  }
+  const later = () => {  // after Gradio's own scroll to the end; at least every 300 ms while the chat streams
+    if (pending !== null && Date.now() - since > 300) return;
+    if (pending === null) since = Date.now();
+    clearTimeout(pending);
+    pending = setTimeout(() => {
+      pending = null;
+      settle();
+    }, 60);
+  };
+  new MutationObserver(later).observe(document.body, {childList: true, subtree: true, characterData: true});
+  // Gradio may scroll to the end again after the last change (a scroll, but no user input before it).
+  document.addEventListener("scroll", (event) => {
+    if (!scrolled && event.target.closest && event.target.closest("#medvqa-chat")) later();
+  }, true);
+  const accordions = () => {
+    for (const button of document.querySelectorAll("button.label-wrap")) {
+      const open = String(button.classList.contains("open"));
+      if (button.getAttribute("aria-expanded") !== open) button.setAttribute("aria-expanded", open);
+      button.querySelector(".icon")?.setAttribute("aria-hidden", "true");
+    }
+  };
+  accordions();
+  new MutationObserver(accordions).observe(document.body, {childList: true, subtree: true, attributes: true,
+                                                           attributeFilter: ["class"]});
+  // Gradio sets a message's aria-label again when its text changes.
+  new MutationObserver(later).observe(document.body,
+                                      {subtree: true, attributes: true, attributeFilter: ["aria-label"]});
+  hookViewer();
+  document.body.dataset.medvqa = "ready";  // for the browser tests: the handlers above are in place
+}
+"""
