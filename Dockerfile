@@ -12,8 +12,9 @@
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #   docker run --gpus all -p 127.0.0.1:7860:7860 -v medvqa-data:/data medvqa:cuda
 #
-# /data holds what the first start builds (the converted decoder, the retrieval index) so later
-# starts take seconds; /data/corpus is where the index is built from when /data/index has none.
+# /data holds what the first start builds (the converted decoder, the retrieval index, built while the
+# app already serves) so later starts take seconds; /data/corpus is where the index is built from when
+# /data/index has none.
 # The app binds 0.0.0.0 inside the container (Docker publishes the port), which app.py refuses without
 # a login unless told otherwise: the CMD passes --insecure-no-login because the commands above publish
 # the port on 127.0.0.1 only. Set MEDVQA_USERNAME and MEDVQA_PASSWORD (docker run -e ...) to require a

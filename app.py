@@ -1,7 +1,8 @@
 """Start the MedVQA web app: `python app.py [--profile NAME] [--host H] [--port P]`.
 
-The first start builds what is missing (the converted decoder, the default retrieval index), with
-progress shown; later starts take seconds. The app listens on 127.0.0.1 unless --host says
+The first start converts the decoder (progress shown; later starts take seconds) and then serves
+at once: a missing literature index is built beside the running app, which answers without sources
+until it is ready (--wait-for-index builds it first instead). The app listens on 127.0.0.1 unless --host says
 otherwise, and asks for a login when MEDVQA_USERNAME and MEDVQA_PASSWORD are set. It refuses to
 listen on any other address without a login (exit status 2) unless --insecure-no-login says that
 something else guards it.
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                              "MEDVQA_PACS_PASSWORD, or MEDVQA_PACS_TOKEN")
     parser.add_argument("--metrics", action="store_true",
                         help="serve live Prometheus metrics at /metrics (behind the login when one is set)")
+    parser.add_argument("--wait-for-index", action="store_true",
+                        help="build a missing literature index before serving, so that the first answers have "
+                             "sources too (default: serve at once and build it meanwhile)")
     parser.add_argument("--insecure-no-login", action="store_true",
                         help="listen on a non-loopback --host without a login (only behind a layer that has its "
                              "own, e.g. a reverse proxy or a Docker port published on 127.0.0.1)")
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from medvqa.pipeline import Pipeline
     from medvqa.projector import ProjectorShapeError
     from medvqa.retrieval import RetrievalError, ensure_default_index
+    from medvqa.retrieval.index import check_buildable, default_index_ready
     from medvqa.ui import auth_from_env, build_app, is_loopback, launch
 
     try:
@@ -63,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:  # an unknown profile in MEDVQA_PROFILE, a bad setting or config file
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"Loading the {settings.profile!r} profile (a first start converts the decoder and builds the "
-          f"retrieval index; this takes a few minutes once).", file=sys.stderr)
+    print(f"Loading the {settings.profile!r} profile (a first start converts the decoder; this takes a few "
+          f"minutes once).", file=sys.stderr)
     with_retrieval = None
     if settings.retrieval.enabled:
         try:
-            ensure_default_index(settings.retrieval, progress=True)
+            if args.wait_for_index:
+                ensure_default_index(settings.retrieval, progress=True)
+            elif not default_index_ready(settings.retrieval):
+                check_buildable(settings.retrieval)
+                print("The literature index is built while the app serves (several minutes on 2 cores); answers "
+                      "have no sources until it is ready.", file=sys.stderr)
         except RetrievalError as error:
             print(f"warning: literature retrieval is unavailable, serving without it: {error}", file=sys.stderr)
             with_retrieval = False
@@ -78,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         metrics = ServingMetrics()
     try:
-        pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics)
+        pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics,
+                                 index_in_background=not args.wait_for_index)
     except (ModelMissingError, ProjectorShapeError) as error:  # the message says how to get or rebuild the
         # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)

@@ -202,6 +202,7 @@ class Pipeline(ClosedQuestions):
         self.engine = engine
         self.model = model  # None when the engine runs the vision side itself (a remote server)
         self.retriever = retriever
+        self.index_build = None  # retrieval.background.IndexBuild while the index is built beside the app
         # An engine with no tokenizer renders its own template: prompts are then the messages alone.
         self.prompts = PromptBuilder(engine.tokenizer, model.num_image_tokens if model else 0,
                                      settings.decoder.context_window,
@@ -238,7 +239,10 @@ class Pipeline(ClosedQuestions):
 
     @classmethod
     def load(cls, settings: Settings, with_retrieval: bool | None = None, progress: bool = True,
-             metrics=None) -> "Pipeline":
+             metrics=None, index_in_background: bool = False) -> "Pipeline":
+        """The loaded pipeline. A missing literature index is built first (from its corpus), or with
+        `index_in_background` beside the running pipeline, which answers without literature until it is
+        ready (the web app's first start; see retrieval.background)."""
         hub_offline_env(settings.offline)
         torch.manual_seed(settings.seed)
         device = pick_device(settings.device)
@@ -248,16 +252,41 @@ class Pipeline(ClosedQuestions):
         engine = load_engine(settings, device, dtype)
         model = VisionLanguageModel.load(settings, device, dtype, engine.hidden_size) \
             if engine.takes_image_tokens else None
-        retriever = None
+        retriever, build = None, None
         if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
             from .retrieval import Retriever, ensure_default_index
+            from .retrieval.index import check_buildable, default_index_ready
 
-            ensure_default_index(settings.retrieval, progress=progress)
-            retriever = Retriever.open(settings.retrieval)
-            from .assertion import warm
+            if index_in_background and not default_index_ready(settings.retrieval):
+                check_buildable(settings.retrieval)  # no corpus to build from: said now, as without
+                from .retrieval.background import IndexBuild
 
-            warm()  # passages get support marks: load their sentence check before the first answer
-        return cls(settings, engine, model, retriever, metrics)
+                build = IndexBuild(settings.retrieval)
+            else:
+                ensure_default_index(settings.retrieval, progress=progress)
+                retriever = Retriever.open(settings.retrieval)
+                from .assertion import warm
+
+                warm()  # passages get support marks: load their sentence check before the first answer
+        pipeline = cls(settings, engine, model, retriever, metrics)
+        if build is not None:
+            pipeline.index_build = build
+            build.on_ready = pipeline._index_ready
+            build.start()
+        return pipeline
+
+    def _index_ready(self, retriever) -> None:
+        self.retriever = retriever  # one assignment: an answer sees the old value or the new, never half
+
+    def literature_state(self) -> str:
+        """Literature retrieval as the page says it: "on (N indexed passages)", "being built: ..." or "off"."""
+        retriever, build = self.retriever, self.index_build
+        if retriever is not None:
+            return f"on ({len(retriever):,} indexed passages)"
+        if build is not None and build.state != "ready":
+            return f"off until its index is built — the index is {build.describe()}" if build.building else \
+                f"off — the literature index {build.describe()}"
+        return "off — answers are not grounded in literature"
 
     # --- conversations ---------------------------------------------------------------------------
 
@@ -280,9 +309,21 @@ class Pipeline(ClosedQuestions):
     # --- retrieval -----------------------------------------------------------------------------
 
     def retrieve(self, question: str, safe_meta: dict | None = None) -> list:
-        if self.retriever is None:
+        retriever = self.retriever  # read once: the index may arrive meanwhile (index_build)
+        if retriever is None:
             return []
-        return self.retriever.search(question, self.settings.retrieval.top_k, safe_meta=safe_meta)
+        return retriever.search(question, self.settings.retrieval.top_k, safe_meta=safe_meta)
+
+    def _no_sources_note(self, use_retrieval: bool) -> str:
+        """Why an answer has no sources."""
+        if not use_retrieval:
+            return "Retrieval is off."
+        if self.retriever is not None:
+            return "No literature passage was relevant enough to cite."
+        build = self.index_build
+        if build is not None and build.building:
+            return f"The literature index is still {build.describe()}, so this answer has no sources."
+        return "Retrieval is off."
 
     def passages_in_prompt(self, question: str) -> bool:
         """Whether retrieved passages go into the decoder's prompt (they are always shown to the user).
@@ -358,8 +399,7 @@ class Pipeline(ClosedQuestions):
             began = time.perf_counter()
             passages = self.retrieve(query, safe_meta) if use_retrieval else []
             timings["retrieval_s"] = time.perf_counter() - began
-            note = "" if passages else ("No literature passage was relevant enough to cite."
-                                        if use_retrieval and self.retriever is not None else "Retrieval is off.")
+            note = "" if passages else self._no_sources_note(use_retrieval)
             return Sources(passages, note, in_prompt)
 
         # Passages the decoder reads are found first, for the question; passages shown beside the

@@ -159,12 +159,13 @@ def stop_app(server: subprocess.Popen) -> None:
 def start_app(profile: str, timeout: float, extra_args: list[str] | tuple[str, ...] = (),
               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """app.py on a free loopback port (with `extra_args`, in `env` or this process's environment),
-    once its page answers."""
+    once its page answers. A missing literature index is built first (--wait-for-index): what is measured
+    is the app serving with its literature, not beside its first build."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     print(f"starting app.py --profile {profile} on {url}", file=sys.stderr)
     server = subprocess.Popen([sys.executable, str(REPO / "app.py"), "--profile", profile, "--host", "127.0.0.1",
-                               "--port", str(port), *extra_args], cwd=REPO,
+                               "--port", str(port), "--wait-for-index", *extra_args], cwd=REPO,
                               env=dict(os.environ) if env is None else env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

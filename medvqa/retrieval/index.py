@@ -76,16 +76,28 @@ def build_index(corpus_files: list[str], index_dir: str | Path, embedder: str, *
                       passage_title=passage_title, shard_size=shard_size, memory_bytes=memory_bytes)
 
 
-def ensure_default_index(config: RetrievalConfig, progress: bool = True) -> Path:
-    """The configured index folder, built from `config.corpus` first if it is missing."""
-    index_dir = Path(config.index_dir) / config.index_name
-    if (index_dir / MANIFEST).is_file():
-        return index_dir
+def default_index_ready(config: RetrievalConfig) -> bool:
+    """Whether the configured index is built (its manifest is written last, once everything is in place)."""
+    return (Path(config.index_dir) / config.index_name / MANIFEST).is_file()
+
+
+def check_buildable(config: RetrievalConfig) -> None:
+    """IndexMissingError, saying how to build one, when the configured index is missing and so is its corpus."""
     missing = [path for path in config.corpus if not Path(path).is_file()]
     if missing or not config.corpus:
         raise IndexMissingError(
-            f"No retrieval index at {index_dir}, and its corpus files are missing "
+            f"No retrieval index at {Path(config.index_dir) / config.index_name}, and its corpus files are missing "
             f"({', '.join(missing) or 'none configured'}). " + how_to_build(config.index_dir, config.index_name))
+
+
+def ensure_default_index(config: RetrievalConfig, progress: bool = True, report=None) -> Path:
+    """The configured index folder, built from `config.corpus` first if it is missing. `report`, if
+    given, is called as the build goes: report(phase, done, total) with phase "reading", "embedding"
+    or "keywords", `total` None while the count is not known (see retrieval.background)."""
+    index_dir = Path(config.index_dir) / config.index_name
+    if default_index_ready(config):
+        return index_dir
+    check_buildable(config)
     with _build_lock(index_dir):
         if (index_dir / MANIFEST).is_file():  # another process built it while we waited
             return index_dir
@@ -96,7 +108,7 @@ def ensure_default_index(config: RetrievalConfig, progress: bool = True) -> Path
                       progress=progress, batch_size=64, passage_embedder=config.passage_embedder,
                       pooling=config.pooling, device=config.device, chunk_tokens=config.chunk_tokens,
                       chunk_overlap=config.chunk_overlap, overwrite=False, normalize=config.normalize,
-                      passage_title=config.passage_title)
+                      passage_title=config.passage_title, report=report)
 
 
 def read_manifest(index_dir: Path) -> dict:
@@ -127,7 +139,8 @@ def check_embedder(manifest: dict, embedder: str, passage_embedder: str, pooling
 
 def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, progress, batch_size,
            passage_embedder, pooling, device, chunk_tokens, chunk_overlap, overwrite, normalize=True,
-           passage_title=False, shard_size=SHARD_SIZE, memory_bytes=None) -> Path:
+           passage_title=False, shard_size=SHARD_SIZE, memory_bytes=None, report=None) -> Path:
+    report = report or _silent
     if faiss_type not in FAISS_TYPES:
         raise RetrievalError(f"Unknown FAISS type {faiss_type!r}; choose one of {', '.join(FAISS_TYPES)}.")
     if not corpus_files:
@@ -171,7 +184,8 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
                                  f"rebuild it with --overwrite.")
 
         # Pass 1: clean, chunk and store; rows continue after the existing ones.
-        count = _store_passages(corpus_files, store, model, max_tokens, chunk_overlap, start, checkpoint, progress)
+        count = _store_passages(corpus_files, store, model, max_tokens, chunk_overlap, start, checkpoint, progress,
+                                report)
         if count == 0:
             raise RetrievalError("The corpus has no passages: " + ", ".join(corpus_files))
 
@@ -183,7 +197,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
                                       checkpoint.resumed)
         vector_sum = load_vector_sum(index_dir, index) if manifest is not None else np.zeros(model.dimension)
         vector_sum += _embed_in_shards(index, vectors, offset, store, model, start, count, checkpoint,
-                                       shard_size, batch_size, passage_title, progress)
+                                       shard_size, batch_size, passage_title, progress, report)
         if index.ntotal != count:
             raise RetrievalError(f"Internal error: {index.ntotal} vectors for {count} passages.")
         params = dict(plan.params)
@@ -198,6 +212,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
         np.save(staging / CENTROID_FILE, vector_sum)
 
         # BM25 has no incremental add: it is rebuilt over every stored passage.
+        report("keywords", 0, None)
         sparse = SparseIndex.build(_all_texts(store), count, progress=progress)
         sparse.save(staging / BM25_DIR)
         store.close()
@@ -243,7 +258,7 @@ def _build(corpus_files, index_dir: Path, embedder: str, *, append, faiss_type, 
 
 
 def _store_passages(corpus_files, store: PassageStore, model, max_tokens: int, chunk_overlap: int, start: int,
-                    checkpoint: Checkpoint, progress: bool) -> int:
+                    checkpoint: Checkpoint, progress: bool, report=None) -> int:
     """Read the corpus files not yet stored into `store`, one committed file at a time; the row count."""
     state = checkpoint.state
     row = start if state["row"] is None else state["row"]
@@ -256,6 +271,8 @@ def _store_passages(corpus_files, store: PassageStore, model, max_tokens: int, c
             if store.add(chunk, row):
                 row += 1
                 bar.update()
+                if report is not None:
+                    report("reading", row - start, None)
             else:
                 duplicates += 1
         bar.close()
@@ -328,7 +345,7 @@ def _shard_file(staging: Path, kind: str, manifest, index_dir: Path, start: int,
 
 def _embed_in_shards(index: faiss.Index, vectors: np.ndarray, offset: int, store: PassageStore, model, start: int,
                      count: int, checkpoint: Checkpoint, shard_size: int, batch_size: int, passage_title: bool,
-                     progress: bool) -> np.ndarray:
+                     progress: bool, report=None) -> np.ndarray:
     """Embed rows start..count into `vectors` and add them to `index`, checkpointing after each shard;
     shards a previous run finished are only added, from the file. Returns the float64 vector sum."""
     state = checkpoint.state
@@ -344,12 +361,16 @@ def _embed_in_shards(index: faiss.Index, vectors: np.ndarray, offset: int, store
                 rows = [row - offset for row, _ in batch]
                 vectors[rows[0]:rows[-1] + 1] = model.encode([text for _, text in batch], batch_size=batch_size)
                 bar.update(len(batch))
+                if report is not None:
+                    report("embedding", rows[-1] + offset + 1 - start, count - start)
             seconds, fresh = seconds + time.perf_counter() - began, fresh + last - first
             vectors.flush()
             state["embedded"] = embedded = last
             checkpoint.save()
         else:
             bar.update(last - first)  # embedded before the interruption
+            if report is not None:
+                report("embedding", last - start, count - start)
         shard = np.asarray(vectors[first - offset:last - offset], dtype=np.float32)  # (S, d) as stored
         index.add(shard)
         vector_sum += shard.sum(axis=0, dtype=np.float64)
@@ -358,6 +379,10 @@ def _embed_in_shards(index: faiss.Index, vectors: np.ndarray, offset: int, store
         print(f"Embedded {fresh:,} passages in {seconds:.1f} s: {fresh / seconds:,.1f} passages/s on "
               f"{model.model.device} (batch {batch_size}).", file=sys.stderr)
     return vector_sum
+
+
+def _silent(phase: str, done: int, total: int | None) -> None:
+    pass
 
 
 def load_vector_sum(index_dir: Path, index: faiss.Index) -> np.ndarray:

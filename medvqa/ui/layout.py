@@ -32,6 +32,7 @@ from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
           "wrong. Check every statement against the images and the cited literature; do not use it for "
           "clinical decisions.")
+LITERATURE_POLL_S = 5  # how often a page asks how far the literature index's first build is
 DEFAULT_CONCURRENCY = 8  # answers generated at once (llama.cpp runs their steps in shared batches)
 
 
@@ -39,8 +40,7 @@ def footer_text(pipeline, settings) -> str:
     """The line under the chat: the profile, whether literature is retrieved, who answers yes/no or open
     questions when it is not the language model (decoder.closed_answerer, decoder.open_answerer), and that
     each question is answered on its own where the prompt carries no earlier turn (decoder.history_turns)."""
-    retrieval = (f"on ({len(pipeline.retriever):,} indexed passages)" if pipeline.retriever is not None
-                 else "off — answers are not grounded in literature")
+    retrieval = pipeline.literature_state()
     kinds = [kind for kind, used in (("yes/no questions", getattr(pipeline, "head_closes", False)),
                                      ("open questions", getattr(pipeline, "head_opens", False)))
              if used]
@@ -120,7 +120,11 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                     transcript_links = gr.HTML("", elem_id="medvqa-export-links")
                     transcript_markdown = gr.Textbox(visible=False)
                     transcript_json = gr.Textbox(visible=False)
-                gr.Markdown(footer_text(pipeline, handlers.settings))
+                footer = gr.Markdown(footer_text(pipeline, handlers.settings), elem_id="medvqa-footer")
+                # While the literature index is built beside the app (its first start), the line says how far
+                # it is; each page asks at load and every few seconds until the build has ended.
+                building = pipeline.index_build is not None and pipeline.index_build.building
+                literature_timer = gr.Timer(LITERATURE_POLL_S, active=building)
 
         viewer_outputs = [viewer, preset, center, width, frame, meta, chatbot, session]
         # preprocess=False: the handler gets the upload's path and deletes the file itself; gr.File's
@@ -196,6 +200,15 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                       ).then(**restore_offer).then(**warming)  # the chat's bin icon too
         restore_button.click(handlers.restore_conversation, [session], [chatbot, restore_button],
                              api_name="restore_conversation").then(**warming)
+        if pipeline.index_build is not None:
+            def literature(pipeline=pipeline, settings=handlers.settings) -> tuple:
+                return (footer_text(pipeline, settings),
+                        gr.Timer(active=pipeline.index_build is not None and pipeline.index_build.building))
+
+            literature_timer.tick(literature, None, [footer, literature_timer], queue=False,
+                                  api_visibility="private", show_progress="hidden")
+            demo.load(literature, None, [footer, literature_timer], queue=False, api_visibility="private",
+                      show_progress="hidden")
         demo.unload(_forget_closed_tabs(demo))  # a closed tab's session goes now, not an hour later
         # The endpoint keeps its name (/export): clients and tests call it.
         transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],
