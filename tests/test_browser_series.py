@@ -112,3 +112,91 @@ def test_two_orientations_are_said_and_a_bomb_refused(page, tmp_path):  # noqa: 
     page.set_input_files("#medvqa-upload input[type=file]", str(bomb))
     page.locator(LAST_REPLY).get_by_text("zip bomb").wait_for()
     screenshot(page, "08-zip-bomb-refused.png")
+
+
+def zoom_state(page) -> dict:  # noqa: F811
+    return page.evaluate("""() => {
+      const img = document.querySelector('#medvqa-scan'), frame = img.parentElement;
+      return {label: document.querySelector('#medvqa-zoom output').textContent,
+              hidden: document.querySelector('#medvqa-zoom').hidden, zoomed: frame.classList.contains('medvqa-zoomed'),
+              ratio: img.offsetWidth / frame.offsetWidth, left: frame.scrollLeft, top: frame.scrollTop,
+              x: (frame.scrollLeft + frame.clientWidth / 2) / img.offsetWidth,
+              y: (frame.scrollTop + frame.clientHeight / 2) / img.offsetHeight};
+    }""")
+
+
+def test_zoom_follows_a_region_through_the_slices_and_the_next_scan_is_whole(page, tmp_path):  # noqa: F811
+    from tests.test_ui import dicom_file
+
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n:03d}.dcm": f for n, f in enumerate(ct_series(40))}))
+    assert page.locator("#medvqa-zoom").is_hidden()  # no scan, no zoom
+    page.set_input_files("#medvqa-upload input[type=file]", str(archive))
+    wait_for_caption(page, "slice 21 of 40")
+    state = zoom_state(page)
+    assert (state["label"], state["hidden"], state["zoomed"], round(state["ratio"], 3)) == ("100 %", False, False, 1)
+    assert page.locator("#medvqa-zoom [data-zoom=out]").is_disabled()
+
+    page.click("#medvqa-zoom [data-zoom=in]")
+    page.click("#medvqa-zoom [data-zoom=in]")
+    state = zoom_state(page)
+    assert state["label"] == "150 %" and state["zoomed"] and abs(state["ratio"] - 1.5) < 0.01
+    assert abs(state["x"] - 0.5) < 0.02 and abs(state["y"] - 0.5) < 0.02  # about the middle
+
+    # Shift+drag moves the zoomed scan and leaves the window as it was.
+    caption = page.inner_text("#medvqa-viewer .medvqa-caption")
+    page.locator("#medvqa-viewer .medvqa-frame").scroll_into_view_if_needed()
+    box = page.locator("#medvqa-viewer .medvqa-frame").bounding_box()
+    middle = (box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.keyboard.down("Shift")
+    page.mouse.move(*middle)
+    page.mouse.down()
+    page.mouse.move(middle[0] + 60, middle[1] + 40, steps=5)
+    page.mouse.up()
+    page.keyboard.up("Shift")
+    moved = zoom_state(page)
+    assert moved["left"] < state["left"] - 40 and moved["top"] < state["top"] - 25, (state, moved)
+    page.wait_for_timeout(500)
+    assert page.inner_text("#medvqa-viewer .medvqa-caption") == caption
+
+    # The next slice is shown at the same zoom and place.
+    page.hover("#medvqa-scan")
+    page.mouse.wheel(0, 100)
+    wait_for_caption(page, "slice 22 of 40")
+    follows = zoom_state(page)
+    assert follows["label"] == "150 %" and abs(follows["left"] - moved["left"]) <= 1 \
+        and abs(follows["top"] - moved["top"]) <= 1, (moved, follows)
+
+    screenshot(page, "08-series-zoomed.png")
+
+    # Ctrl+wheel zooms about the pointer: the point of the scan under it stays under it.
+    page.locator("#medvqa-viewer .medvqa-frame").scroll_into_view_if_needed()
+    frame = page.locator("#medvqa-viewer .medvqa-frame").bounding_box()
+    pointer = (frame["x"] + 100, frame["y"] + 80)
+    under = "([x, y]) => { const img = document.querySelector('#medvqa-scan'), r = img.getBoundingClientRect();" \
+            " return [(x - r.left) / r.width, (y - r.top) / r.height]; }"
+    page.mouse.move(*pointer)
+    before = page.evaluate(under, list(pointer))
+    zoom_before = page.evaluate("() => window.visualViewport.scale")
+    page.keyboard.down("Control")
+    page.mouse.wheel(0, -100)
+    page.keyboard.up("Control")
+    page.wait_for_function("() => document.querySelector('#medvqa-zoom output').textContent !== '150 %'")
+    after = page.evaluate(under, list(pointer))
+    assert abs(after[0] - before[0]) < 0.01 and abs(after[1] - before[1]) < 0.01, (before, after)
+    assert page.evaluate("() => window.visualViewport.scale") == zoom_before  # the page itself not zoomed
+    assert int(zoom_state(page)["label"].split()[0]) > 150
+
+    # From the keyboard: the scan takes the focus once zoomed, and 0 shows it whole.
+    page.focus("#medvqa-viewer .medvqa-frame")
+    page.keyboard.press("0")
+    state = zoom_state(page)
+    assert state["label"] == "100 %" and not state["zoomed"]
+    page.keyboard.press("+")
+    assert zoom_state(page)["label"] == "125 %"
+
+    # Another scan is shown whole.
+    page.set_input_files("#medvqa-upload input[type=file]", dicom_file("CT_small.dcm"))
+    wait_for_caption(page, "DICOM · 128×128 px")
+    state = zoom_state(page)
+    assert state["label"] == "100 %" and not state["zoomed"] and round(state["ratio"], 3) == 1

@@ -29,7 +29,7 @@ from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
 from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _study_notes,
-                     _viewer_html, _window_controls)
+                     _view_key, _viewer_html, _window_controls)
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class _Handlers:
         "width", "frame": those the user has just set, as they set them) are left alone: sent back, they
         would overwrite what the user types or scrolls while the scan renders."""
         scan, source = session.scan, session.source
-        outputs = [_viewer_html(scan)]
+        outputs = [_viewer_html(scan, _view_key(source))]
         if controls:
             window = scan.window or Window(40, 400, "none")
             offered = _window_controls(source, scan)

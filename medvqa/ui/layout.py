@@ -23,7 +23,7 @@ from .access import AccessGuard
 from ..pacs import Pacs
 from .handlers import _Handlers
 from .metrics_route import MetricsRoute
-from .page import PAGE_CSS, PAGE_JS
+from .page import ZOOM_TOOLBAR, PAGE_CSS, PAGE_JS
 from .remote import _PacsHandlers
 from .session import _close_session, _forget_closed_tabs
 from .uploads import UPLOAD_MAX_AGE_S, UploadFolder
@@ -84,6 +84,8 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                 series_picker = gr.Dropdown([], label="Series", visible=False, allow_custom_value=True,
                                             elem_id="medvqa-series")
                 viewer = gr.HTML(_EMPTY_VIEWER, elem_id="medvqa-viewer")
+                # Zoom is the page's alone (page.PAGE_JS): the model sees the whole scan whatever is shown.
+                gr.HTML(ZOOM_TOOLBAR, padding=False, elem_id="medvqa-zoom-bar")
                 series_notes = gr.HTML("", elem_id="medvqa-series-notes")
                 # A slice of a series or a frame of a file; the arrow keys scroll it once it has focus.
                 frame = gr.Slider(1, 2, value=1, step=1, label="Frame", visible=False, elem_id="medvqa-frame")

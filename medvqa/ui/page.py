@@ -10,7 +10,22 @@ PAGE_CSS = """
 #medvqa-notice { border-left: 4px solid #d97706; background: #fffbeb; padding: 8px 12px; }
 #medvqa-notice, #medvqa-notice * { color: #78350f !important; }
 .medvqa-viewer { margin: 0; }
-.medvqa-viewer img { width: 100%; max-width: 640px; height: auto; image-rendering: auto; background: #000; }
+.medvqa-viewer img { display: block; width: 100%; max-width: 640px; height: auto; image-rendering: auto;
+                    background: #000; }
+.medvqa-frame { width: 100%; max-width: 640px; overflow: hidden; background: #000; }
+.medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
+.medvqa-frame.medvqa-panning { cursor: grabbing; }
+.medvqa-frame:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
+#medvqa-zoom-bar { margin-top: calc(-1 * var(--layout-gap, 12px) + 4px); }
+#medvqa-zoom { display: flex; gap: 6px; align-items: center; margin: 0; }
+#medvqa-zoom[hidden] { display: none; }
+#medvqa-zoom button { min-width: 2.4em; padding: 2px 8px; border: 1px solid #6b7280; border-radius: 4px;
+                      background: transparent; color: inherit; cursor: pointer; font: inherit; line-height: 1.6; }
+#medvqa-zoom button:disabled { opacity: 0.5; cursor: default; }
+#medvqa-zoom button:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
+#medvqa-zoom output { min-width: 3.5em; text-align: center; font-size: 0.9em; }
+#medvqa-zoom .medvqa-hint { font-size: 0.85em; color: #52525b; }
+.dark #medvqa-zoom .medvqa-hint { color: #d4d4d8; }
 .medvqa-caption { font-size: 0.85em; opacity: 0.8; margin-top: 4px; }
 .medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
 .medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
@@ -38,6 +53,15 @@ PAGE_CSS = """
 #medvqa-stop:hover { background: #991b1b !important; border-color: #991b1b !important; }
 """
 
+# The viewer's zoom buttons (their handlers are in PAGE_JS; shown once there is a scan).
+ZOOM_TOOLBAR = (
+    '<div id="medvqa-zoom" role="group" aria-label="Zoom (the model sees the whole scan)" hidden>'
+    '<button type="button" data-zoom="out" aria-label="Zoom out" title="Zoom out (−)">−</button>'
+    '<output aria-live="polite" aria-label="Zoom level">100 %</output>'
+    '<button type="button" data-zoom="in" aria-label="Zoom in" title="Zoom in (+)">+</button>'
+    '<button type="button" data-zoom="fit" title="Whole scan (0)">Fit</button>'
+    '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan.</span></div>')
+
 # Run when the page loads.
 # - A slider's number box reports its value when it loses focus (Gradio's "release"): Enter there applies
 #   the value typed, as Tab would, and the box keeps the focus.
@@ -48,6 +72,7 @@ PAGE_CSS = """
 #   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
 #   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
 # - The mouse wheel over the scan scrolls a series' slices; a drag on it sets the window.
+# - The scan can be zoomed (for the eye only: the model sees the whole scan) and moved while zoomed.
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 # - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
 #   their ▼ sign is not read out.
@@ -77,7 +102,14 @@ PAGE_JS = """
   let wheeled = 0;
   const onWheel = (event) => {
     const range = document.querySelector("#medvqa-frame input[type=range]");
-    if (!range || range.offsetParent === null || event.ctrlKey || !event.deltaY) return;  // (Ctrl+wheel: zoom)
+    if (event.ctrlKey && event.deltaY && event.target.closest && event.target.closest("#medvqa-scan")) {
+      event.preventDefault();  // Ctrl+wheel (and a touchpad's pinch) over the scan zooms it, not the page
+      const frame = event.target.closest(".medvqa-frame"), box = frame.getBoundingClientRect();
+      const delta = event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
+      zoomTo(zoom.scale * Math.exp(-delta / 300), event.clientX - box.left, event.clientY - box.top);
+      return;
+    }
+    if (!range || range.offsetParent === null || event.ctrlKey || !event.deltaY) return;
     wheeled += event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
     const step = Math.sign(wheeled);
     const value = Math.min(Number(range.max), Math.max(Number(range.min), Number(range.value) + step));
@@ -121,10 +153,18 @@ PAGE_JS = """
     drag = null;
   };
   document.addEventListener("pointerdown", (event) => {
+    if (!event.target.closest || !event.target.closest("#medvqa-scan")) return;
     const center = document.querySelector("#medvqa-center input[type=range]");
     const width = document.querySelector("#medvqa-width input[type=range]");
-    if (!event.target.closest || !event.target.closest("#medvqa-scan") || event.button !== 0 || !center || !width
-        || center.offsetParent === null) return;
+    const windowable = center && width && center.offsetParent !== null;
+    if (zoom.scale > 1 && (event.shiftKey || event.button === 1 || (event.button === 0 && !windowable))) {
+      event.preventDefault();  // a zoomed scan moved: Shift+drag, the middle button, or any drag where the
+      const frame = event.target.closest(".medvqa-frame");  // scan has no window to set
+      pan = {x: event.clientX, y: event.clientY, left: frame.scrollLeft, top: frame.scrollTop, frame};
+      frame.classList.add("medvqa-panning");
+      return;
+    }
+    if (event.button !== 0 || !windowable) return;
     event.preventDefault();  // no native image drag (and no focus change: a number box being typed in is left
     document.activeElement?.blur?.();  // here, so that its value applies first, as a click elsewhere would)
     drag = {x: event.clientX, y: event.clientY, center, width, from: [Number(center.value), Number(width.value)],
@@ -132,6 +172,15 @@ PAGE_JS = """
     document.querySelector("#medvqa-viewer")?.setAttribute("aria-busy", "true");
   });
   document.addEventListener("pointermove", (event) => {
+    if (pan) {
+      if (!(event.buttons & 5)) {
+        endPan();
+        return;
+      }
+      pan.frame.scrollLeft = pan.left - (event.clientX - pan.x);
+      pan.frame.scrollTop = pan.top - (event.clientY - pan.y);
+      return;
+    }
     if (!drag) return;
     if (!(event.buttons & 1)) {  // the button was let go where no pointerup reached the page
       endDrag();
@@ -147,9 +196,109 @@ PAGE_JS = """
     }
   });
   document.addEventListener("pointerup", (event) => {
-    if (event.isTrusted) endDrag();  // (the release dispatched above bubbles here too)
+    if (event.isTrusted) {  // (the release dispatched above bubbles here too)
+      endDrag();
+      endPan();
+    }
   });
-  document.addEventListener("pointercancel", endDrag);  // a touch the browser took for scrolling the page
+  document.addEventListener("pointercancel", () => {  // a touch the browser took for scrolling the page
+    endDrag();
+    endPan();
+  });
+  // Zoom: the scan drawn larger inside its frame, which then scrolls (its scroll bars, the arrow keys once it
+  // has the focus, a drag as above). Ctrl+wheel zooms about the pointer; the buttons and the + - 0 keys (the
+  // focus on the scan or the buttons) about the middle. Kept across the frames and windows of one file or
+  // series (the figure's data-view) so a region can be followed through the slices; the next scan is shown whole.
+  const ZOOMS = [1, 1.25, 1.5, 2, 3, 4, 6, 8];
+  const zoom = {view: null, scale: 1, x: 0.5, y: 0.5, img: null};
+  let pan = null;
+  const endPan = () => {
+    if (!pan) return;
+    pan.frame.classList.remove("medvqa-panning");
+    pan = null;
+  };
+  const placeZoom = () => {  // the scan at zoom.scale with its point (x, y) in the frame's middle
+    const img = document.querySelector("#medvqa-scan");
+    const bar = document.querySelector("#medvqa-zoom");
+    if (bar) bar.hidden = !img;
+    zoom.img = img;
+    if (!img) return;
+    const view = img.closest("[data-view]")?.dataset.view ?? "";
+    if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5});
+    const frame = img.parentElement, zoomed = zoom.scale > 1.001;
+    frame.classList.toggle("medvqa-zoomed", zoomed);
+    if (bar) {
+      bar.querySelector("output").textContent = `${Math.round(zoom.scale * 100)} %`;
+      bar.querySelector("[data-zoom=out]").disabled = !zoomed;
+      bar.querySelector("[data-zoom=fit]").disabled = !zoomed;
+      bar.querySelector("[data-zoom=in]").disabled = zoom.scale >= ZOOMS[ZOOMS.length - 1];
+    }
+    img.dataset.placed = placed();
+    frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed
+    if (!zoomed) {
+      img.style.width = img.style.maxWidth = frame.style.height = "";
+      frame.setAttribute("aria-label", "The scan: + zooms in");
+      return;
+    }
+    const fit = frame.offsetWidth, shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
+    frame.style.height = `${Math.round(fit * shape)}px`;
+    img.style.maxWidth = "none";
+    img.style.width = `${Math.round(fit * zoom.scale)}px`;
+    frame.setAttribute("aria-label", `The scan at ${Math.round(zoom.scale * 100)} %: the arrow keys move it, `
+                                     + "− zooms out and 0 shows it whole");
+    const wide = fit * zoom.scale, high = wide * shape;
+    frame.scrollLeft = zoom.x * wide - frame.clientWidth / 2;
+    frame.scrollTop = zoom.y * high - frame.clientHeight / 2;
+  };
+  const placed = () => `${zoom.view}:${zoom.scale}`;
+  const zoomTo = (scale, px, py) => {  // to `scale`, the point under (px, py) of the frame staying there
+    const img = zoom.img;
+    if (!img) return;
+    const frame = img.parentElement;
+    if (px === undefined) [px, py] = [frame.clientWidth / 2, frame.clientHeight / 2];
+    const u = (frame.scrollLeft + px) / img.offsetWidth, v = (frame.scrollTop + py) / img.offsetHeight;
+    zoom.scale = Math.min(ZOOMS[ZOOMS.length - 1], Math.max(1, scale));
+    const wide = frame.offsetWidth * zoom.scale, high = wide * img.offsetHeight / img.offsetWidth;
+    zoom.x = Math.min(1, Math.max(0, u + (frame.clientWidth / 2 - px) / wide));
+    zoom.y = Math.min(1, Math.max(0, v + (frame.clientHeight / 2 - py) / high));
+    placeZoom();
+  };
+  const zoomStep = (direction) => {
+    const next = direction > 0 ? ZOOMS.find((z) => z > zoom.scale + 0.001)
+      : [...ZOOMS].reverse().find((z) => z < zoom.scale - 0.001);
+    zoomTo(next ?? zoom.scale);
+  };
+  document.addEventListener("click", (event) => {
+    const button = event.target.closest && event.target.closest("#medvqa-zoom button");
+    if (!button) return;
+    if (button.dataset.zoom === "fit") zoomTo(1);
+    else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
+        || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
+    const key = {"+": 1, "=": 1, "-": -1, "0": 0}[event.key];
+    if (key === undefined) return;
+    event.preventDefault();
+    if (key === 0) zoomTo(1);
+    else zoomStep(key);
+  });
+  document.addEventListener("scroll", (event) => {  // where the reader moved the zoomed scan, kept for the next slice
+    const img = zoom.img;
+    if (!img || event.target !== img.parentElement || zoom.scale <= 1.001) return;
+    const frame = img.parentElement;
+    zoom.x = (frame.scrollLeft + frame.clientWidth / 2) / img.offsetWidth;
+    zoom.y = (frame.scrollTop + frame.clientHeight / 2) / img.offsetHeight;
+  }, true);
+  // A new frame, window or scan: placed before it is drawn (an observer's callback runs before the paint).
+  // Gradio may keep the viewer's elements and change their attributes to the new HTML's, which drops the
+  // image's mark of having been placed.
+  new MutationObserver(() => {
+    const img = document.querySelector("#medvqa-scan");
+    if (img !== zoom.img || (img && img.dataset.placed !== placed())) placeZoom();
+  }).observe(document.body, {childList: true, subtree: true, attributes: true,
+                             attributeFilter: ["src", "style", "class", "data-placed", "data-view"]});
+  window.addEventListener("resize", () => placeZoom());
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();

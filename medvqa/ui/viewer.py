@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +33,22 @@ _PICTURE_PRESET_LABELS = [("Automatic (0.5–99.5 %)", "auto"), ("Custom (slider
 _NON_CT_PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", "auto"), ("Custom (sliders)", "custom")]
 
 
-def _viewer_html(scan: Scan) -> str:
-    """The scan as the model sees it (downscaled for display only), with a caption of what it is."""
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VIEW_NUMBERS = itertools.count(1)
+
+
+def _view_key(source) -> str:
+    """A number for what is being viewed (a file, a series): the same across its frames and windows, another
+    for the next file or series. The page keeps its zoom while the key stays (see page.PAGE_JS)."""
+    if source not in _VIEWS:
+        _VIEWS[source] = next(_VIEW_NUMBERS)
+    return str(_VIEWS[source])
+
+
+def _viewer_html(scan: Scan, view: str = "") -> str:
+    """The scan as the model sees it (downscaled for display only), with a caption of what it is. `view`
+    (_view_key) tells the page whether this is another frame or window of the scan shown, whose zoom it keeps.
+    The image's size is given so that the page knows its shape before the image is decoded."""
     pixels = scan.pixels  # (H, W, 3) uint8
     image = Image.fromarray(np.ascontiguousarray(pixels))
     if max(image.size) > DISPLAY_MAX_SIDE:
@@ -44,9 +60,10 @@ def _viewer_html(scan: Scan) -> str:
                f"{_place_caption(scan)} · {scan.describe_window()}")
     # A figure and its caption: a screen reader reads what is shown with the image (the page announces the
     # viewer's changes, see page.PAGE_JS).
-    return (f'<figure class="medvqa-viewer"><img id="medvqa-scan" alt="The scan as the model sees it" '
-            f'src="data:image/png;base64,{encoded}"/><figcaption class="medvqa-caption">{html.escape(caption)}'
-            f'</figcaption></figure>')
+    return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}"><div class="medvqa-frame" role="group">'
+            f'<img id="medvqa-scan" alt="The scan as the model sees it" width="{image.width}" '
+            f'height="{image.height}" src="data:image/png;base64,{encoded}"/></div>'
+            f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption></figure>')
 
 
 def _place_caption(scan: Scan) -> str:
