@@ -314,11 +314,11 @@ class Pipeline(ClosedQuestions):
             return []
         return retriever.search(question, self.settings.retrieval.top_k, safe_meta=safe_meta)
 
-    def _no_sources_note(self, use_retrieval: bool) -> str:
+    def _no_sources_note(self, use_retrieval: bool, searched: bool) -> str:
         """Why an answer has no sources."""
         if not use_retrieval:
             return "Retrieval is off."
-        if self.retriever is not None:
+        if searched:
             return "No literature passage was relevant enough to cite."
         build = self.index_build
         if build is not None and build.building:
@@ -397,9 +397,10 @@ class Pipeline(ClosedQuestions):
         def sources(query: str) -> Sources:
             nonlocal passages
             began = time.perf_counter()
+            searched = self.retriever is not None  # before the search: an index arriving during it was not searched
             passages = self.retrieve(query, safe_meta) if use_retrieval else []
             timings["retrieval_s"] = time.perf_counter() - began
-            note = "" if passages else self._no_sources_note(use_retrieval)
+            note = "" if passages else self._no_sources_note(use_retrieval, searched)
             return Sources(passages, note, in_prompt)
 
         # Passages the decoder reads are found first, for the question; passages shown beside the

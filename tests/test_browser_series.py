@@ -187,6 +187,23 @@ def test_zoom_follows_a_region_through_the_slices_and_the_next_scan_is_whole(pag
     assert page.evaluate("() => window.visualViewport.scale") == zoom_before  # the page itself not zoomed
     assert int(zoom_state(page)["label"].split()[0]) > 150
 
+    # Slice after slice at that zoom (not one of the buttons' steps), the scan stays where it was put.
+    placed = zoom_state(page)
+    for n in range(23, 31):
+        page.mouse.wheel(0, 100)
+        wait_for_caption(page, f"slice {n} of 40")
+    page.wait_for_timeout(200)
+    later = zoom_state(page)
+    assert abs(later["left"] - placed["left"]) <= 1 and abs(later["top"] - placed["top"]) <= 1, (placed, later)
+
+    # A plain drag on a zoomed CT still sets its window.
+    assert "user window" not in page.inner_text("#medvqa-viewer .medvqa-caption")
+    page.mouse.down()
+    page.mouse.move(pointer[0] + 60, pointer[1], steps=5)
+    page.mouse.up()
+    wait_for_caption(page, "user window")
+    assert abs(zoom_state(page)["left"] - later["left"]) <= 1
+
     # From the keyboard: the scan takes the focus once zoomed, and 0 shows it whole.
     page.focus("#medvqa-viewer .medvqa-frame")
     page.keyboard.press("0")

@@ -11,11 +11,12 @@ is still being built and have no sources.
 Why a child process: its memory (the passage embedder, the build's buffers) goes back to the system
 when it ends, and `nice` lets answers go first on a machine with two cores. The build itself is
 `ensure_default_index`, so it resumes where an interrupted one stopped and takes the same lock: two
-app processes starting together build it once. The child exits when the app does (it watches its
-parent); the next start resumes its checkpoint.
+app processes starting together build it once. The child exits when the app does, however the app
+ends: its stdin is a pipe the app holds open, and its end (EOF) ends the child. The next start
+resumes the build's checkpoint.
 
-The child reads the retrieval settings as JSON on stdin and writes one JSON object per line on
-stdout: {"phase", "done", "total"} as it goes, then {"error": message} if it failed.
+The child reads the retrieval settings as one line of JSON on stdin and writes one JSON object per
+line on stdout: {"phase", "done", "total"} as it goes, then {"error": message} if it failed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -70,8 +72,8 @@ class IndexBuild:
         """What the build is doing, for the page: "being built: embedding passages, 1,024 of 24,512 (4 %)"."""
         if self.state == "ready":
             return f"built in {self.seconds:.0f} s"
-        if self.state == "failed":
-            return f"could not be built ({self.error})"
+        if self.state == "failed":  # (the reason is in the server's log: paths are not every user's business)
+            return "could not be built (the server's log says why)"
         what = _PHASES.get(self.phase, self.phase)
         if self.total:
             return f"being built: {what}, {self.done:,} of {self.total:,} ({100 * self.done // self.total} %)"
@@ -82,13 +84,14 @@ class IndexBuild:
     def _run(self) -> None:
         # The child is started here, not by the caller, so that this thread outlives it: it reads the
         # child's lines until they end.
+        child = None
         try:
             child = subprocess.Popen([sys.executable, "-m", "medvqa.retrieval.background"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=_child_env())
+                                     encoding="utf-8", errors="replace", env=_child_env())
             self.pid = child.pid
-            child.stdin.write(json.dumps(dataclasses.asdict(self.config)))
-            child.stdin.close()
+            child.stdin.write(json.dumps(dataclasses.asdict(self.config)) + "\n")
+            child.stdin.flush()  # and left open: the child ends when it closes, as it does when this process ends
             error = ""
             for line in child.stdout:
                 try:
@@ -100,6 +103,7 @@ class IndexBuild:
                 elif "phase" in message:
                     self.phase, self.done, self.total = message["phase"], message["done"], message["total"]
             code = child.wait()
+            child.stdin.close()
             if code != 0:
                 raise RuntimeError(error or f"the build process exited with status {code}")
             self.phase, self.done, self.total = "opening", 0, None
@@ -118,22 +122,30 @@ class IndexBuild:
             self.state = "failed"
             log.warning("the literature index could not be built, serving without literature: %s", self.error)
         finally:
+            if child is not None and child.poll() is None:  # (an error while reading it) not left running
+                child.kill()
+                child.wait()
             self._finished.set()
 
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    # The child imports medvqa from wherever this process did, also when it was not installed.
+    # The child imports medvqa from wherever this process did: a checkout not installed needs its folder on
+    # the path (an installed package is found anyway, and its site-packages must not go before the stdlib).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+    if os.path.basename(root) not in ("site-packages", "dist-packages"):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
     return env
 
 
 # --- the child's side ------------------------------------------------------------------------------
 
 def _main() -> int:
-    parent = os.getppid()
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # Ctrl+C in the app's terminal reaches this process too: the app's end (stdin closed) ends it instead,
+    # without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    line = sys.stdin.readline()
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
     if hasattr(os, "nice"):
         os.nice(10)  # answers first: this process only gets the CPU the app leaves
     last = {"phase": None, "at": 0.0}
@@ -146,7 +158,7 @@ def _main() -> int:
         print(json.dumps({"phase": phase, "done": done, "total": total}), flush=True)
 
     try:
-        config = RetrievalConfig(**json.loads(sys.stdin.read()))
+        config = RetrievalConfig(**json.loads(line))
         from medvqa.retrieval.index import ensure_default_index
 
         ensure_default_index(config, progress=True, report=report)  # its progress bars go to stderr, as before
@@ -156,13 +168,11 @@ def _main() -> int:
     return 0
 
 
-def _exit_with_parent(parent: int) -> None:
-    """End this process when the app's ends (this one is then handed to another parent); the build's
-    checkpoint lets the next start resume it."""
-    while True:
-        time.sleep(1)
-        if os.getppid() != parent:
-            os._exit(1)
+def _exit_with_parent() -> None:
+    """End this process when the app's ends: the pipe it holds open as this one's stdin then closes. The
+    build's checkpoint lets the next start resume it."""
+    sys.stdin.read()  # returns at EOF only: the app closed it, or ended
+    os._exit(1)
 
 
 if __name__ == "__main__":

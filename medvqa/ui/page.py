@@ -157,7 +157,7 @@ PAGE_JS = """
     const center = document.querySelector("#medvqa-center input[type=range]");
     const width = document.querySelector("#medvqa-width input[type=range]");
     const windowable = center && width && center.offsetParent !== null;
-    if (zoom.scale > 1 && (event.shiftKey || event.button === 1 || (event.button === 0 && !windowable))) {
+    if (zoomed() && (event.shiftKey || event.button === 1 || (event.button === 0 && !windowable))) {
       event.preventDefault();  // a zoomed scan moved: Shift+drag, the middle button, or any drag where the
       const frame = event.target.closest(".medvqa-frame");  // scan has no window to set
       pan = {x: event.clientX, y: event.clientY, left: frame.scrollLeft, top: frame.scrollTop, frame};
@@ -211,6 +211,10 @@ PAGE_JS = """
   // series (the figure's data-view) so a region can be followed through the slices; the next scan is shown whole.
   const ZOOMS = [1, 1.25, 1.5, 2, 3, 4, 6, 8];
   const zoom = {view: null, scale: 1, x: 0.5, y: 0.5, img: null};
+  const zoomed = () => zoom.scale > 1;  // (zoomTo keeps it at 1 or above 1.01)
+  // The zoomed scan's width: its place (x, y) is read and set against this same number, so that reading it
+  // back from where it was put gives it again, slice after slice.
+  const wideOf = (frame) => frame.offsetWidth * zoom.scale;
   let pan = null;
   const endPan = () => {
     if (!pan) return;
@@ -225,28 +229,25 @@ PAGE_JS = """
     if (!img) return;
     const view = img.closest("[data-view]")?.dataset.view ?? "";
     if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5});
-    const frame = img.parentElement, zoomed = zoom.scale > 1.001;
-    frame.classList.toggle("medvqa-zoomed", zoomed);
+    const frame = img.parentElement;
+    frame.classList.toggle("medvqa-zoomed", zoomed());
     if (bar) {
       bar.querySelector("output").textContent = `${Math.round(zoom.scale * 100)} %`;
-      bar.querySelector("[data-zoom=out]").disabled = !zoomed;
-      bar.querySelector("[data-zoom=fit]").disabled = !zoomed;
+      bar.querySelector("[data-zoom=out]").disabled = !zoomed();
+      bar.querySelector("[data-zoom=fit]").disabled = !zoomed();
       bar.querySelector("[data-zoom=in]").disabled = zoom.scale >= ZOOMS[ZOOMS.length - 1];
     }
     img.dataset.placed = placed();
-    frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed
-    if (!zoomed) {
+    frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed (its label, in viewer.py)
+    if (!zoomed()) {
       img.style.width = img.style.maxWidth = frame.style.height = "";
-      frame.setAttribute("aria-label", "The scan: + zooms in");
       return;
     }
-    const fit = frame.offsetWidth, shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
-    frame.style.height = `${Math.round(fit * shape)}px`;
+    const shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
+    const wide = wideOf(frame), high = wide * shape;
+    frame.style.height = `${frame.offsetWidth * shape}px`;
     img.style.maxWidth = "none";
-    img.style.width = `${Math.round(fit * zoom.scale)}px`;
-    frame.setAttribute("aria-label", `The scan at ${Math.round(zoom.scale * 100)} %: the arrow keys move it, `
-                                     + "− zooms out and 0 shows it whole");
-    const wide = fit * zoom.scale, high = wide * shape;
+    img.style.width = `${wide}px`;
     frame.scrollLeft = zoom.x * wide - frame.clientWidth / 2;
     frame.scrollTop = zoom.y * high - frame.clientHeight / 2;
   };
@@ -256,9 +257,10 @@ PAGE_JS = """
     if (!img) return;
     const frame = img.parentElement;
     if (px === undefined) [px, py] = [frame.clientWidth / 2, frame.clientHeight / 2];
-    const u = (frame.scrollLeft + px) / img.offsetWidth, v = (frame.scrollTop + py) / img.offsetHeight;
-    zoom.scale = Math.min(ZOOMS[ZOOMS.length - 1], Math.max(1, scale));
-    const wide = frame.offsetWidth * zoom.scale, high = wide * img.offsetHeight / img.offsetWidth;
+    const box = img.getBoundingClientRect();
+    const u = (frame.scrollLeft + px) / box.width, v = (frame.scrollTop + py) / box.height;
+    zoom.scale = Math.min(ZOOMS[ZOOMS.length - 1], scale < 1.01 ? 1 : scale);
+    const wide = wideOf(frame), high = wide * box.height / box.width;
     zoom.x = Math.min(1, Math.max(0, u + (frame.clientWidth / 2 - px) / wide));
     zoom.y = Math.min(1, Math.max(0, v + (frame.clientHeight / 2 - py) / high));
     placeZoom();
@@ -285,10 +287,11 @@ PAGE_JS = """
   });
   document.addEventListener("scroll", (event) => {  // where the reader moved the zoomed scan, kept for the next slice
     const img = zoom.img;
-    if (!img || event.target !== img.parentElement || zoom.scale <= 1.001) return;
-    const frame = img.parentElement;
-    zoom.x = (frame.scrollLeft + frame.clientWidth / 2) / img.offsetWidth;
-    zoom.y = (frame.scrollTop + frame.clientHeight / 2) / img.offsetHeight;
+    if (!img || event.target !== img.parentElement || !zoomed()) return;
+    const frame = img.parentElement, wide = wideOf(frame);
+    const high = wide * (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
+    zoom.x = (frame.scrollLeft + frame.clientWidth / 2) / wide;
+    zoom.y = (frame.scrollTop + frame.clientHeight / 2) / high;
   }, true);
   // A new frame, window or scan: placed before it is drawn (an observer's callback runs before the paint).
   // Gradio may keep the viewer's elements and change their attributes to the new HTML's, which drops the
@@ -298,7 +301,16 @@ PAGE_JS = """
     if (img !== zoom.img || (img && img.dataset.placed !== placed())) placeZoom();
   }).observe(document.body, {childList: true, subtree: true, attributes: true,
                              attributeFilter: ["src", "style", "class", "data-placed", "data-view"]});
-  window.addEventListener("resize", () => placeZoom());
+  // The column's width changes (the window, the page's layout): the zoomed scan keeps its place.
+  const resized = new ResizeObserver(() => placeZoom());
+  let watched = null;
+  new MutationObserver(() => {
+    const viewer = document.querySelector("#medvqa-viewer");
+    if (viewer && viewer !== watched) {
+      watched = viewer;
+      resized.observe(viewer);
+    }
+  }).observe(document.body, {childList: true, subtree: true});
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();

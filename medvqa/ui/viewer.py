@@ -8,8 +8,8 @@ from __future__ import annotations
 import base64
 import html
 import io
-import itertools
 import math
+import secrets
 import weakref
 from dataclasses import dataclass
 
@@ -34,15 +34,15 @@ _NON_CT_PRESET_LABELS = [("File default", "file"), ("Automatic (0.5–99.5 %)", 
 
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_VIEW_NUMBERS = itertools.count(1)
 
 
 def _view_key(source) -> str:
-    """A number for what is being viewed (a file, a series): the same across its frames and windows, another
-    for the next file or series. The page keeps its zoom while the key stays (see page.PAGE_JS)."""
+    """A random key for what is being viewed (a file, a series): the same across its frames and windows,
+    another for the next file or series. The page keeps its zoom while the key stays (see page.PAGE_JS).
+    Random, not counted: a count would tell each page how many scans the app has opened for anyone."""
     if source not in _VIEWS:
-        _VIEWS[source] = next(_VIEW_NUMBERS)
-    return str(_VIEWS[source])
+        _VIEWS[source] = secrets.token_hex(8)
+    return _VIEWS[source]
 
 
 def _viewer_html(scan: Scan, view: str = "") -> str:
@@ -60,7 +60,8 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
                f"{_place_caption(scan)} · {scan.describe_window()}")
     # A figure and its caption: a screen reader reads what is shown with the image (the page announces the
     # viewer's changes, see page.PAGE_JS).
-    return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}"><div class="medvqa-frame" role="group">'
+    return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}"><div class="medvqa-frame" role="group" '
+            f'aria-label="Scan: + and − zoom, 0 shows it whole, the arrow keys move it when zoomed">'
             f'<img id="medvqa-scan" alt="The scan as the model sees it" width="{image.width}" '
             f'height="{image.height}" src="data:image/png;base64,{encoded}"/></div>'
             f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption></figure>')
