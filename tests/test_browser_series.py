@@ -217,3 +217,59 @@ def test_zoom_follows_a_region_through_the_slices_and_the_next_scan_is_whole(pag
     wait_for_caption(page, "DICOM · 128×128 px")
     state = zoom_state(page)
     assert state["label"] == "100 %" and not state["zoomed"] and round(state["ratio"], 3) == 1
+
+
+def test_measuring_a_distance_in_mm_and_in_pixels(page, tmp_path):  # noqa: F811
+    from PIL import Image
+
+    from tests.test_ui import dicom_file
+
+    page.set_input_files("#medvqa-upload input[type=file]", dicom_file("CT_small.dcm"))  # 128 x 128, 0.661468 mm
+    wait_for_caption(page, "DICOM · 128×128 px")
+    caption = page.inner_text("#medvqa-viewer .medvqa-caption")
+    measure = page.locator("#medvqa-zoom [data-tool=measure]")
+    measure.click()
+    assert measure.get_attribute("aria-pressed") == "true"
+
+    def drag(fractions: tuple[float, float, float, float]) -> None:
+        page.locator("#medvqa-viewer .medvqa-frame").scroll_into_view_if_needed()
+        box = page.locator("#medvqa-scan").bounding_box()
+        x0, y0, x1, y1 = fractions
+        page.mouse.move(box["x"] + x0 * box["width"], box["y"] + y0 * box["height"])
+        page.mouse.down()
+        page.mouse.move(box["x"] + x1 * box["width"], box["y"] + y1 * box["height"], steps=6)
+        page.mouse.up()
+
+    length = "#medvqa-zoom output.medvqa-length"
+    drag((0.25, 0.5, 0.75, 0.5))  # 64 of the scan's pixels across
+    shown = page.inner_text(length)
+    assert shown.endswith(" mm") and abs(float(shown.split()[0]) - 64 * 0.661468) < 0.5, shown
+    page.wait_for_timeout(500)
+    assert page.inner_text("#medvqa-viewer .medvqa-caption") == caption  # measuring is not windowing
+    drag((0.25, 0.25, 0.25 + 30 / 128, 0.25 + 40 / 128))  # a new line replaces it: 50 pixels on the slant
+    assert abs(float(page.inner_text(length).split()[0]) - 50 * 0.661468) < 0.5
+
+    # Another window or zoom keeps the line over the same points; Esc ends measuring.
+    page.click("#medvqa-preset input")
+    page.get_by_role("option", name="Lung (C -600 / W 1500)").click()
+    wait_for_caption(page, "lung window (C -600 / W 1500)")
+    page.click("#medvqa-zoom [data-zoom=in]")
+    ends = page.evaluate("""() => {
+      const img = document.querySelector('#medvqa-scan'), line = document.querySelector('.medvqa-overlay line');
+      const svg = line.ownerSVGElement.getBoundingClientRect(), r = img.getBoundingClientRect();
+      return [svg.width / r.width, svg.height / r.height, Number(line.getAttribute('x1')), Number(line.getAttribute('x2'))];
+    }""")
+    assert abs(ends[0] - 1) < 0.01 and abs(ends[1] - 1) < 0.01 and abs(ends[2] - 32) < 1 and abs(ends[3] - 62) < 1
+    screenshot(page, "09-measured.png")
+    page.keyboard.press("Escape")
+    assert measure.get_attribute("aria-pressed") == "false" and page.inner_text(length) == ""
+    assert page.locator(".medvqa-overlay").count() == 0
+
+    # A picture has no pixel spacing: its own pixels, and the page says why.
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.full((100, 200), 128, np.uint8)).save(picture)
+    page.set_input_files("#medvqa-upload input[type=file]", str(picture))
+    wait_for_caption(page, "PNG · 200×100 px")
+    measure.click()
+    drag((0.1, 0.5, 0.6, 0.5))
+    assert page.inner_text(length) == "100 px (the scan gives no pixel spacing)"

@@ -12,12 +12,19 @@ PAGE_CSS = """
 .medvqa-viewer { margin: 0; }
 .medvqa-viewer img { display: block; width: 100%; max-width: 640px; height: auto; image-rendering: auto;
                     background: #000; }
-.medvqa-frame { width: 100%; max-width: 640px; overflow: hidden; background: #000; }
+.medvqa-frame { position: relative; width: 100%; max-width: 640px; overflow: hidden; background: #000; }
+.medvqa-frame.medvqa-measuring, .medvqa-frame.medvqa-measuring img { cursor: crosshair; }
+.medvqa-overlay { position: absolute; left: 0; top: 0; pointer-events: none; }
+.medvqa-overlay line { stroke-linecap: round; vector-effect: non-scaling-stroke; }
+.medvqa-overlay .medvqa-ruler { stroke: #facc15; stroke-width: 2; }
+.medvqa-overlay .medvqa-ruler-shadow { stroke: #000; stroke-width: 4; }
+#medvqa-zoom [aria-pressed=true] { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
 .medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
 .medvqa-frame.medvqa-panning { cursor: grabbing; }
 .medvqa-frame:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
 #medvqa-zoom-bar { margin-top: calc(-1 * var(--layout-gap, 12px) + 4px); }
-#medvqa-zoom { display: flex; gap: 6px; align-items: center; margin: 0; }
+#medvqa-zoom { display: flex; flex-wrap: wrap; gap: 6px; align-items: center; margin: 0; }
+#medvqa-zoom .medvqa-length { font-size: 0.9em; font-weight: 600; }
 #medvqa-zoom[hidden] { display: none; }
 #medvqa-zoom button { min-width: 2.4em; padding: 2px 8px; border: 1px solid #6b7280; border-radius: 4px;
                       background: transparent; color: inherit; cursor: pointer; font: inherit; line-height: 1.6; }
@@ -53,13 +60,16 @@ PAGE_CSS = """
 #medvqa-stop:hover { background: #991b1b !important; border-color: #991b1b !important; }
 """
 
-# The viewer's zoom buttons (their handlers are in PAGE_JS; shown once there is a scan).
+# The viewer's zoom and measuring buttons (their handlers are in PAGE_JS; shown once there is a scan).
 ZOOM_TOOLBAR = (
-    '<div id="medvqa-zoom" role="group" aria-label="Zoom (the model sees the whole scan)" hidden>'
+    '<div id="medvqa-zoom" role="group" aria-label="Zoom and measure (the model sees the whole scan)" hidden>'
     '<button type="button" data-zoom="out" aria-label="Zoom out" title="Zoom out (−)">−</button>'
-    '<output aria-live="polite" aria-label="Zoom level">100 %</output>'
+    '<output class="medvqa-level" aria-live="polite" aria-label="Zoom level">100 %</output>'
     '<button type="button" data-zoom="in" aria-label="Zoom in" title="Zoom in (+)">+</button>'
     '<button type="button" data-zoom="fit" title="Whole scan (0)">Fit</button>'
+    '<button type="button" data-tool="measure" aria-pressed="false" '
+    'title="Measure a distance: drag across the scan (Esc ends)">Measure</button>'
+    '<output class="medvqa-length" aria-live="polite" aria-label="Length measured"></output>'
     '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan.</span></div>')
 
 # Run when the page loads.
@@ -157,6 +167,13 @@ PAGE_JS = """
     const center = document.querySelector("#medvqa-center input[type=range]");
     const width = document.querySelector("#medvqa-width input[type=range]");
     const windowable = center && width && center.offsetParent !== null;
+    if (measuring && event.button === 0 && !event.shiftKey) {  // a line drawn from here to where it is let go
+      event.preventDefault();
+      const img = event.target.closest("#medvqa-scan"), [x, y] = shownPoint(img, event);
+      ruler = {key: frameKey(img), x0: x, y0: y, x1: x, y1: y, drawing: true};
+      drawRuler();
+      return;
+    }
     if (zoomed() && (event.shiftKey || event.button === 1 || (event.button === 0 && !windowable))) {
       event.preventDefault();  // a zoomed scan moved: Shift+drag, the middle button, or any drag where the
       const frame = event.target.closest(".medvqa-frame");  // scan has no window to set
@@ -172,6 +189,15 @@ PAGE_JS = """
     document.querySelector("#medvqa-viewer")?.setAttribute("aria-busy", "true");
   });
   document.addEventListener("pointermove", (event) => {
+    if (ruler && ruler.drawing) {
+      if (!(event.buttons & 1) || !zoom.img) {
+        ruler.drawing = false;
+        return;
+      }
+      [ruler.x1, ruler.y1] = shownPoint(zoom.img, event);
+      drawRuler();
+      return;
+    }
     if (pan) {
       if (!(event.buttons & 5)) {
         endPan();
@@ -199,6 +225,7 @@ PAGE_JS = """
     if (event.isTrusted) {  // (the release dispatched above bubbles here too)
       endDrag();
       endPan();
+      if (ruler) ruler.drawing = false;
     }
   });
   document.addEventListener("pointercancel", () => {  // a touch the browser took for scrolling the page
@@ -229,10 +256,12 @@ PAGE_JS = """
     if (!img) return;
     const view = img.closest("[data-view]")?.dataset.view ?? "";
     if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5});
+    if (ruler && ruler.key !== frameKey(img)) ruler = null;  // a line belongs to the frame it was drawn on
+    frameOf(img).classList.toggle("medvqa-measuring", measuring);
     const frame = img.parentElement;
     frame.classList.toggle("medvqa-zoomed", zoomed());
     if (bar) {
-      bar.querySelector("output").textContent = `${Math.round(zoom.scale * 100)} %`;
+      bar.querySelector("output.medvqa-level").textContent = `${Math.round(zoom.scale * 100)} %`;
       bar.querySelector("[data-zoom=out]").disabled = !zoomed();
       bar.querySelector("[data-zoom=fit]").disabled = !zoomed();
       bar.querySelector("[data-zoom=in]").disabled = zoom.scale >= ZOOMS[ZOOMS.length - 1];
@@ -241,6 +270,7 @@ PAGE_JS = """
     frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed (its label, in viewer.py)
     if (!zoomed()) {
       img.style.width = img.style.maxWidth = frame.style.height = "";
+      drawRuler();
       return;
     }
     const shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
@@ -250,6 +280,69 @@ PAGE_JS = """
     img.style.width = `${wide}px`;
     frame.scrollLeft = zoom.x * wide - frame.clientWidth / 2;
     frame.scrollTop = zoom.y * high - frame.clientHeight / 2;
+    drawRuler();
+  };
+  // Measuring: with Measure pressed, a drag on the scan draws a line and says how long it is: in mm from the
+  // DICOM's pixel spacing (the figure's data-measure, viewer._measure_scale; "at the detector" for a
+  // radiograph's imager spacing), else in the scan's own pixels. A line belongs to its frame: another frame,
+  // slice or scan clears it, a new window or zoom keeps it. Esc ends measuring.
+  let measuring = false, ruler = null;  // ruler: {key, x0, y0, x1, y1} in the shown image's pixels
+  const SVG = "http://www.w3.org/2000/svg";
+  const frameOf = (img) => img.parentElement;
+  const frameKey = (img) => {
+    const figure = img.closest("[data-view]");
+    return figure ? `${figure.dataset.view}:${figure.dataset.frame}` : "";
+  };
+  const shownPoint = (img, event) => {
+    const box = img.getBoundingClientRect();
+    const w = Number(img.getAttribute("width")) || 1, h = Number(img.getAttribute("height")) || 1;
+    return [Math.min(w, Math.max(0, (event.clientX - box.left) * w / box.width)),
+            Math.min(h, Math.max(0, (event.clientY - box.top) * h / box.height))];
+  };
+  const drawRuler = () => {
+    const img = zoom.img, length = document.querySelector("#medvqa-zoom output.medvqa-length");
+    const old = img ? frameOf(img).querySelector("svg.medvqa-overlay") : null;
+    if (!img || !ruler) {
+      old?.remove();
+      if (length) length.textContent = "";
+      return;
+    }
+    let svg = old;
+    if (!svg) {
+      svg = document.createElementNS(SVG, "svg");
+      svg.setAttribute("class", "medvqa-overlay");
+      svg.setAttribute("aria-hidden", "true");
+      svg.setAttribute("preserveAspectRatio", "none");
+      for (const name of ["medvqa-ruler-shadow", "medvqa-ruler"]) {
+        const line = document.createElementNS(SVG, "line");
+        line.setAttribute("class", name);
+        svg.appendChild(line);
+      }
+      frameOf(img).appendChild(svg);
+    }
+    svg.setAttribute("viewBox", `0 0 ${img.getAttribute("width")} ${img.getAttribute("height")}`);
+    const box = img.getBoundingClientRect();
+    svg.style.width = `${box.width}px`;
+    svg.style.height = `${box.height}px`;
+    for (const line of svg.querySelectorAll("line")) {
+      line.setAttribute("x1", ruler.x0);
+      line.setAttribute("y1", ruler.y0);
+      line.setAttribute("x2", ruler.x1);
+      line.setAttribute("y2", ruler.y1);
+    }
+    const [down, across, unit, note] = (img.closest("[data-measure]")?.dataset.measure || "1,1,px,").split(",");
+    const size = Math.hypot((ruler.x1 - ruler.x0) * Number(across), (ruler.y1 - ruler.y0) * Number(down));
+    if (length) {
+      length.textContent = unit === "mm" ? `${size.toFixed(1)} mm${note ? ` ${note}` : ""}`
+        : `${Math.round(size)} px (the scan gives no pixel spacing)`;
+    }
+  };
+  const measure = (on) => {
+    measuring = on;
+    if (!on) ruler = null;
+    document.querySelector("#medvqa-zoom [data-tool=measure]")?.setAttribute("aria-pressed", String(on));
+    if (zoom.img) frameOf(zoom.img).classList.toggle("medvqa-measuring", on);
+    drawRuler();
   };
   const placed = () => `${zoom.view}:${zoom.scale}`;
   const zoomTo = (scale, px, py) => {  // to `scale`, the point under (px, py) of the frame staying there
@@ -273,10 +366,12 @@ PAGE_JS = """
   document.addEventListener("click", (event) => {
     const button = event.target.closest && event.target.closest("#medvqa-zoom button");
     if (!button) return;
-    if (button.dataset.zoom === "fit") zoomTo(1);
+    if (button.dataset.tool === "measure") measure(!measuring);
+    else if (button.dataset.zoom === "fit") zoomTo(1);
     else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
   });
   document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && measuring) measure(false);
     if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
         || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
     const key = {"+": 1, "=": 1, "-": -1, "0": 0}[event.key];

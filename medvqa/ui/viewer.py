@@ -60,11 +60,38 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
                f"{_place_caption(scan)} · {scan.describe_window()}")
     # A figure and its caption: a screen reader reads what is shown with the image (the page announces the
     # viewer's changes, see page.PAGE_JS).
-    return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}"><div class="medvqa-frame" role="group" '
+    scale = _measure_scale(scan, image.width, image.height)
+    return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}" data-frame="{scan.frame_index}" '
+            f'data-measure="{html.escape(scale)}"><div class="medvqa-frame" role="group" '
             f'aria-label="Scan: + and − zoom, 0 shows it whole, the arrow keys move it when zoomed">'
             f'<img id="medvqa-scan" alt="The scan as the model sees it" width="{image.width}" '
             f'height="{image.height}" src="data:image/png;base64,{encoded}"/></div>'
             f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption></figure>')
+
+
+def _measure_scale(scan: Scan, shown_width: int, shown_height: int) -> str:
+    """What one pixel of the image shown measures, for the page's ruler: "ROW,COLUMN,UNIT,NOTE" (a pixel's
+    height and width). In millimetres from the DICOM's Pixel Spacing (in the patient), else from its Imager
+    Pixel Spacing (at the detector: a radiograph's anatomy is magnified there, and the note says so), else
+    in the scan's own pixels (a picture, or a DICOM that gives no spacing)."""
+    rows, columns = scan.pixels.shape[:2]
+    down, across = rows / shown_height, columns / shown_width  # the scan's pixels per pixel shown
+    for keyword, note in (("PixelSpacing", ""), ("ImagerPixelSpacing", "at the detector")):
+        spacing = _spacing(scan.safe_meta.get(keyword, ""))
+        if spacing is not None:
+            return f"{spacing[0] * down:.6g},{spacing[1] * across:.6g},mm,{note}"
+    return f"{down:.6g},{across:.6g},px,"
+
+
+def _spacing(text: str) -> tuple[float, float] | None:
+    """Pixel Spacing's two values (between rows, between columns) in mm, if both are usable."""
+    try:
+        values = [float(part) for part in text.split("\\")]
+    except ValueError:
+        return None
+    if len(values) != 2 or not all(0 < value < 1e4 for value in values):
+        return None
+    return values[0], values[1]
 
 
 def _place_caption(scan: Scan) -> str:
