@@ -308,8 +308,10 @@ class Pipeline(ClosedQuestions):
 
     # --- retrieval -----------------------------------------------------------------------------
 
-    def retrieve(self, question: str, safe_meta: dict | None = None) -> list:
-        retriever = self.retriever  # read once: the index may arrive meanwhile (index_build)
+    def retrieve(self, question: str, safe_meta: dict | None = None, retriever=None) -> list:
+        """Passages for `question` from `retriever`, by default the pipeline's (read once: the index may
+        arrive meanwhile, see index_build)."""
+        retriever = retriever if retriever is not None else self.retriever
         if retriever is None:
             return []
         return retriever.search(question, self.settings.retrieval.top_k, safe_meta=safe_meta)
@@ -397,8 +399,9 @@ class Pipeline(ClosedQuestions):
         def sources(query: str) -> Sources:
             nonlocal passages
             began = time.perf_counter()
-            searched = self.retriever is not None  # before the search: an index arriving during it was not searched
-            passages = self.retrieve(query, safe_meta) if use_retrieval else []
+            retriever = self.retriever  # the index searched, read once (it may arrive meanwhile: index_build)
+            searched = retriever is not None
+            passages = self.retrieve(query, safe_meta, retriever=retriever) if use_retrieval else []
             timings["retrieval_s"] = time.perf_counter() - began
             note = "" if passages else self._no_sources_note(use_retrieval, searched)
             return Sources(passages, note, in_prompt)

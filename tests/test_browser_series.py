@@ -265,11 +265,24 @@ def test_measuring_a_distance_in_mm_and_in_pixels(page, tmp_path):  # noqa: F811
     assert measure.get_attribute("aria-pressed") == "false" and page.inner_text(length) == ""
     assert page.locator(".medvqa-overlay").count() == 0
 
+    # A line belongs to its slice: the next slice is shown without it.
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n:03d}.dcm": f for n, f in enumerate(ct_series(5, PixelSpacing=[0.5, 0.5]))}))
+    page.set_input_files("#medvqa-upload input[type=file]", str(archive))
+    wait_for_caption(page, "slice 3 of 5")
+    measure.click()
+    drag((0.2, 0.2, 0.8, 0.2))
+    assert page.locator(".medvqa-overlay").count() == 1 and page.inner_text(length).endswith(" mm")
+    page.hover("#medvqa-scan")
+    page.mouse.wheel(0, 100)
+    wait_for_caption(page, "slice 4 of 5")
+    assert page.locator(".medvqa-overlay").count() == 0 and page.inner_text(length) == ""
+
     # A picture has no pixel spacing: its own pixels, and the page says why.
     picture = tmp_path / "picture.png"
     Image.fromarray(np.full((100, 200), 128, np.uint8)).save(picture)
     page.set_input_files("#medvqa-upload input[type=file]", str(picture))
     wait_for_caption(page, "PNG · 200×100 px")
-    measure.click()
+    assert measure.get_attribute("aria-pressed") == "true"  # measuring stays on for the next scan
     drag((0.1, 0.5, 0.6, 0.5))
     assert page.inner_text(length) == "100 px (the scan gives no pixel spacing)"

@@ -118,3 +118,29 @@ def test_corrupt_jpeg_frame_does_not_abort_the_process():
     result = subprocess.run([sys.executable, "-c", code], input=buffer.getvalue(), capture_output=True,
                             cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr.decode()[-500:]
+
+
+def test_an_enhanced_multiframe_file_gives_its_pixel_spacing_from_its_functional_groups():
+    frames = np.zeros((3, 8, 8), dtype=np.uint16)
+
+    def with_groups(shared_spacing=None, per_frame=()) -> dict:
+        ds = make_dicom(frames)
+        if shared_spacing is not None:
+            shared, measures = Dataset(), Dataset()
+            measures.PixelSpacing = shared_spacing
+            shared.PixelMeasuresSequence = [measures]
+            ds.SharedFunctionalGroupsSequence = [shared]
+        groups = []
+        for spacing in per_frame:
+            group, measures = Dataset(), Dataset()
+            measures.PixelSpacing = spacing
+            group.PixelMeasuresSequence = [measures]
+            groups.append(group)
+        if groups:
+            ds.PerFrameFunctionalGroupsSequence = groups
+        return open_scan(dicom_bytes(ds)).safe_meta
+
+    assert with_groups([0.5, 0.6])["PixelSpacing"] == "0.5\\0.6"
+    assert with_groups(None, [[0.7, 0.7]] * 3)["PixelSpacing"] == "0.7\\0.7"
+    assert "PixelSpacing" not in with_groups(None, [[0.7, 0.7], [0.7, 0.7], [0.9, 0.9]])  # frames differ
+    assert "PixelSpacing" not in with_groups()

@@ -304,3 +304,21 @@ def test_ask_refuses_a_ct_preset_for_an_image_without_hounsfield_units(tmp_path,
     archive.write_bytes(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(4))}))
     assert main(["ask", str(archive), "Is there a mass?", "--window", "lung", "--no-retrieval"]) == 0
     assert "(image window: lung" in capsys.readouterr().out
+
+
+def test_each_slice_gives_its_own_pixel_spacing():
+    """A localiser or another field of view in the series: a slice's size and spacing are its own (the page's
+    ruler measures with them), the rest of the series' fields are the middle slice's."""
+    from medvqa.imaging import open_study
+
+    from .imaging_helpers import ct_series, zip_bytes
+
+    import pydicom
+
+    uids = {"series_uid": pydicom.uid.generate_uid(), "study_uid": pydicom.uid.generate_uid()}
+    files = ct_series(5, shuffle_seed=None, PixelSpacing=[0.5, 0.5], **uids)
+    files[0] = ct_series(1, shuffle_seed=None, first=-50.0, PixelSpacing=[1.5, 1.5], **uids)[0]
+    (series,) = open_study(zip_bytes({f"{n}.dcm": f for n, f in enumerate(files)})).series
+    spacings = [series.render(frame=i).safe_meta.get("PixelSpacing") for i in range(series.frame_count)]
+    assert spacings == ["1.5\\1.5"] + ["0.5\\0.5"] * 4
+    assert series.safe_meta["PixelSpacing"] == "0.5\\0.5"

@@ -277,7 +277,7 @@ def test_a_withheld_open_answer_counts_as_an_open_abstention_and_claims_nothing(
     assert metrics.registry.get_sample_value("medvqa:abstentions_total") == 0
     # The sources shown beside a withheld answer are found for the question, not for the answer it leans to.
     asked = []
-    monkeypatch.setattr(calibrated_pipeline, "retrieve", lambda query, safe_meta=None: asked.append(query) or [])
+    monkeypatch.setattr(calibrated_pipeline, "retrieve", lambda query, safe_meta=None, retriever=None: asked.append(query) or [])
     conversation = Conversation(image=np.full((48, 48, 3), 90, np.uint8))
     done = [e for e in calibrated_pipeline.ask(conversation, "Where is the liver?", warm=False) if isinstance(e, Done)][-1]
     assert done.open_choice["abstained"] and asked[-1] == "Where is the liver?"

@@ -22,6 +22,9 @@ def test_a_pixel_shown_measures_the_spacing_times_the_downscaling():
     assert _measure_scale(_scan(100, 100, ImagerPixelSpacing="0.2\\0.2"), 100, 100) == "0.2,0.2,mm,at the detector"
     assert _measure_scale(_scan(100, 100, PixelSpacing="0.18\\0.18", ImagerPixelSpacing="0.2\\0.2"), 100, 100) \
         == "0.18,0.18,mm,"
+    # A radiograph's Pixel Spacing that merely repeats the imager's is not calibrated to the patient either.
+    assert _measure_scale(_scan(100, 100, PixelSpacing="0.2\\0.2", ImagerPixelSpacing="0.2\\0.2"), 100, 100) \
+        == "0.2,0.2,mm,at the detector"
     # No spacing, or one that makes no sense: the scan's own pixels.
     for meta in ({}, {"PixelSpacing": "0.7"}, {"PixelSpacing": "0\\0.7"}, {"PixelSpacing": "a\\b"}):
         assert _measure_scale(_scan(200, 300, **meta), 150, 100) == "2,2,px,"

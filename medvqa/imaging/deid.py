@@ -59,11 +59,36 @@ def _dicom_safe_meta(ds: Dataset, header: _PixelHeader) -> dict[str, str]:
         text = _safe_code(value, keyword) if keyword in _SAFE_CODED else _safe_number(value)
         if text:
             meta[keyword] = text
+    if "PixelSpacing" not in meta:  # an enhanced multi-frame file keeps it in its functional groups
+        spacing = _safe_number(_grouped_pixel_spacing(ds))
+        if spacing:
+            meta["PixelSpacing"] = spacing
     sop = str(_value_or_none(ds, "SOPClassUID") or "")
     if _is_known_uid(sop):
         meta["SOPClass"] = UID(sop).name
     meta["TransferSyntax"] = _TRANSFER_SYNTAX_NAMES.get(header.transfer_syntax) or header.transfer_syntax.name
     return meta
+
+
+def _grouped_pixel_spacing(ds: Dataset) -> Any:
+    """Pixel Spacing from an enhanced multi-frame file's Pixel Measures: the shared one, else the frames'
+    own when every frame gives the same (None where they differ or give none)."""
+    def spacing_in(group: Any) -> Any:
+        try:
+            return group.PixelMeasuresSequence[0].PixelSpacing
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            return None
+
+    try:
+        shared = ds.get("SharedFunctionalGroupsSequence")
+        found = spacing_in(shared[0]) if shared else None
+        if found is None:
+            frames = [spacing_in(group) for group in ds.get("PerFrameFunctionalGroupsSequence") or []]
+            if frames and frames[0] is not None and all(frame == frames[0] for frame in frames):
+                found = frames[0]
+    except Exception:  # noqa: BLE001 - a malformed group: no spacing, as for a malformed attribute
+        return None
+    return found
 
 
 def _value_or_none(ds: Dataset, keyword: str) -> Any:

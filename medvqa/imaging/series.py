@@ -36,6 +36,9 @@ from .windowing import Window
 
 _SAME_MM = 0.01  # positions closer than this are the same position
 _SAME_DIRECTION = 1e-3  # direction cosines closer than this are the same orientation
+# Fields a slice gives of itself rather than the series' middle slice: its size and the spacing of its
+# pixels, so that a measurement on it (the page's ruler) is its own.
+_OWN_PER_SLICE = ("Rows", "Columns", "PixelSpacing", "ImagerPixelSpacing")
 _GAP_FACTOR = 1.5  # a spacing this much wider than the usual one is a gap
 _COPY = "a duplicate of another file in the upload"
 
@@ -80,8 +83,13 @@ class Series:
         if self._shown is not None and self._shown is not chosen.source:
             self._shown.forget_decoded()  # only the slice on screen stays decoded
         self._shown = chosen.source
+        meta = dict(self.safe_meta)
+        for keyword in _OWN_PER_SLICE:  # the slice's own (a localiser or another field of view may differ)
+            meta.pop(keyword, None)
+            if keyword in scan.safe_meta:
+                meta[keyword] = scan.safe_meta[keyword]
         return dataclasses.replace(scan, frame_index=index, frame_count=self.frame_count, series=self.number,
-                                   position_mm=self.positions_mm[index], safe_meta=dict(self.safe_meta))
+                                   position_mm=self.positions_mm[index], safe_meta=meta)
 
     @property
     def decoded_bytes(self) -> int:

@@ -98,6 +98,8 @@ class IndexBuild:
                     message = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # not ours (a library printing to stdout)
+                if not isinstance(message, dict):
+                    continue
                 if "error" in message:
                     error = str(message["error"])
                 elif "phase" in message:

@@ -13,7 +13,7 @@ PAGE_CSS = """
 .medvqa-viewer img { display: block; width: 100%; max-width: 640px; height: auto; image-rendering: auto;
                     background: #000; }
 .medvqa-frame { position: relative; width: 100%; max-width: 640px; overflow: hidden; background: #000; }
-.medvqa-frame.medvqa-measuring, .medvqa-frame.medvqa-measuring img { cursor: crosshair; }
+.medvqa-frame.medvqa-measuring, .medvqa-frame.medvqa-measuring img { cursor: crosshair; touch-action: none; }
 .medvqa-overlay { position: absolute; left: 0; top: 0; pointer-events: none; }
 .medvqa-overlay line { stroke-linecap: round; vector-effect: non-scaling-stroke; }
 .medvqa-overlay .medvqa-ruler { stroke: #facc15; stroke-width: 2; }
@@ -111,6 +111,10 @@ PAGE_JS = """
   // usual. The listener sits on the viewer only, so it never holds up the page's own scrolling elsewhere.
   let wheeled = 0;
   const onWheel = (event) => {
+    if (ruler && ruler.drawing) {  // a line being drawn stays on its slice
+      event.preventDefault();
+      return;
+    }
     const range = document.querySelector("#medvqa-frame input[type=range]");
     if (event.ctrlKey && event.deltaY && event.target.closest && event.target.closest("#medvqa-scan")) {
       event.preventDefault();  // Ctrl+wheel (and a touchpad's pinch) over the scan zooms it, not the page
@@ -171,6 +175,8 @@ PAGE_JS = """
       event.preventDefault();
       const img = event.target.closest("#medvqa-scan"), [x, y] = shownPoint(img, event);
       ruler = {key: frameKey(img), x0: x, y0: y, x1: x, y1: y, drawing: true};
+      // The length is read out once, when the line is let go, not at each move.
+      document.querySelector("#medvqa-zoom output.medvqa-length")?.setAttribute("aria-busy", "true");
       drawRuler();
       return;
     }
@@ -191,7 +197,7 @@ PAGE_JS = """
   document.addEventListener("pointermove", (event) => {
     if (ruler && ruler.drawing) {
       if (!(event.buttons & 1) || !zoom.img) {
-        ruler.drawing = false;
+        endRuler();
         return;
       }
       [ruler.x1, ruler.y1] = shownPoint(zoom.img, event);
@@ -225,12 +231,13 @@ PAGE_JS = """
     if (event.isTrusted) {  // (the release dispatched above bubbles here too)
       endDrag();
       endPan();
-      if (ruler) ruler.drawing = false;
+      endRuler();
     }
   });
   document.addEventListener("pointercancel", () => {  // a touch the browser took for scrolling the page
     endDrag();
     endPan();
+    endRuler();
   });
   // Zoom: the scan drawn larger inside its frame, which then scrolls (its scroll bars, the arrow keys once it
   // has the focus, a drag as above). Ctrl+wheel zooms about the pointer; the buttons and the + - 0 keys (the
@@ -337,6 +344,13 @@ PAGE_JS = """
         : `${Math.round(size)} px (the scan gives no pixel spacing)`;
     }
   };
+  const endRuler = () => {  // the line let go: kept, unless it is a click (a dot), and its length read out
+    if (!ruler || !ruler.drawing) return;
+    ruler.drawing = false;
+    if (Math.hypot(ruler.x1 - ruler.x0, ruler.y1 - ruler.y0) < 2) ruler = null;
+    drawRuler();
+    document.querySelector("#medvqa-zoom output.medvqa-length")?.setAttribute("aria-busy", "false");
+  };
   const measure = (on) => {
     measuring = on;
     if (!on) ruler = null;
@@ -371,7 +385,10 @@ PAGE_JS = """
     else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
   });
   document.addEventListener("keydown", (event) => {
-    if (event.key === "Escape" && measuring) measure(false);
+    if (event.key === "Escape" && measuring && !event.defaultPrevented
+        && (event.target === document.body || event.target.closest?.("#medvqa-viewer, #medvqa-zoom"))) {
+      measure(false);
+    }
     if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
         || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
     const key = {"+": 1, "=": 1, "-": -1, "0": 0}[event.key];
@@ -402,6 +419,7 @@ PAGE_JS = """
   new MutationObserver(() => {
     const viewer = document.querySelector("#medvqa-viewer");
     if (viewer && viewer !== watched) {
+      if (watched) resized.unobserve(watched);
       watched = viewer;
       resized.observe(viewer);
     }

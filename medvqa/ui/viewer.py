@@ -72,13 +72,17 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
 def _measure_scale(scan: Scan, shown_width: int, shown_height: int) -> str:
     """What one pixel of the image shown measures, for the page's ruler: "ROW,COLUMN,UNIT,NOTE" (a pixel's
     height and width). In millimetres from the DICOM's Pixel Spacing (in the patient), else from its Imager
-    Pixel Spacing (at the detector: a radiograph's anatomy is magnified there, and the note says so), else
+    Pixel Spacing (at the detector: a radiograph's anatomy is magnified there, and the note says so; also
+    where Pixel Spacing only repeats it), else
     in the scan's own pixels (a picture, or a DICOM that gives no spacing)."""
     rows, columns = scan.pixels.shape[:2]
     down, across = rows / shown_height, columns / shown_width  # the scan's pixels per pixel shown
-    for keyword, note in (("PixelSpacing", ""), ("ImagerPixelSpacing", "at the detector")):
-        spacing = _spacing(scan.safe_meta.get(keyword, ""))
+    imager = _spacing(scan.safe_meta.get("ImagerPixelSpacing", ""))
+    for spacing in (_spacing(scan.safe_meta.get("PixelSpacing", "")), imager):
         if spacing is not None:
+            # A radiograph's Pixel Spacing that only repeats its Imager Pixel Spacing is not calibrated to
+            # the patient either.
+            note = "at the detector" if spacing == imager else ""
             return f"{spacing[0] * down:.6g},{spacing[1] * across:.6g},mm,{note}"
     return f"{down:.6g},{across:.6g},px,"
 
