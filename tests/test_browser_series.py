@@ -286,3 +286,44 @@ def test_measuring_a_distance_in_mm_and_in_pixels(page, tmp_path):  # noqa: F811
     assert measure.get_attribute("aria-pressed") == "true"  # measuring stays on for the next scan
     drag((0.1, 0.5, 0.6, 0.5))
     assert page.inner_text(length) == "100 px (the scan gives no pixel spacing)"
+
+
+def test_the_value_of_a_pixel_in_hounsfield_units_and_as_stored(page, tmp_path):  # noqa: F811
+    from PIL import Image
+
+    from medvqa.imaging import open_scan
+    from tests.test_ui import dicom_file
+
+    ct = dicom_file("CT_small.dcm")
+    page.set_input_files("#medvqa-upload input[type=file]", ct)
+    wait_for_caption(page, "DICOM · 128×128 px")
+    value = page.locator("#medvqa-zoom [data-tool=probe]")
+    value.click()
+    assert value.get_attribute("aria-pressed") == "true"
+    page.locator("#medvqa-viewer .medvqa-frame").scroll_into_view_if_needed()
+    box = page.locator("#medvqa-scan").bounding_box()
+    page.mouse.click(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.6)
+    shown = page.locator("#medvqa-probe .medvqa-probe")
+    shown.wait_for(state="visible")
+    found = re.fullmatch(r"(-?\d+) HU at column (\d+), row (\d+)", page.inner_text("#medvqa-probe"))
+    assert found, page.inner_text("#medvqa-probe")
+    hu, column, row = (int(part) for part in found.groups())
+    assert abs(column - (0.3 * 128 + 1)) <= 1 and abs(row - (0.6 * 128 + 1)) <= 1
+    assert hu == round(open_scan(ct).value_at(0, row - 1, column - 1))
+    assert page.locator(".medvqa-overlay circle").count() == 2  # the point marked
+    # Measure takes over from Value (one tool at a time), and the value shown goes.
+    page.click("#medvqa-zoom [data-tool=measure]")
+    assert value.get_attribute("aria-pressed") == "false" and shown.is_hidden()
+    page.click("#medvqa-zoom [data-tool=probe]")
+
+    picture = tmp_path / "colour.png"
+    Image.fromarray(np.dstack([np.full((60, 80), c, np.uint8) for c in (200, 30, 90)])).save(picture)
+    page.set_input_files("#medvqa-upload input[type=file]", str(picture))
+    wait_for_caption(page, "PNG · 80×60 px")
+    page.locator("#medvqa-viewer .medvqa-frame").scroll_into_view_if_needed()
+    box = page.locator("#medvqa-scan").bounding_box()
+    page.mouse.click(box["x"] + 5, box["y"] + 5)
+    page.wait_for_function("() => document.querySelector('#medvqa-probe').innerText.startsWith('RGB 200, 30, 90 at ')")
+    page.keyboard.press("Escape")
+    assert value.get_attribute("aria-pressed") == "false"
+    assert page.locator("#medvqa-probe .medvqa-probe").is_hidden()

@@ -47,3 +47,37 @@ def test_the_figure_names_its_view_and_frame_and_the_view_key_is_random_per_sour
     html = _viewer_html(load_scan(tmp_path / "scan.png"), view="abc")
     assert 'data-view="abc" data-frame="0" data-measure="1,1,px,"' in html
     assert 'width="60" height="40"' in html
+
+
+def test_a_pixel_value_is_said_in_its_unit_and_place():
+    from medvqa.ui.viewer import _pixel_value_text, _probe_html
+
+    ct = SimpleNamespace(is_dicom=True, safe_meta={"Modality": "CT"})
+    mr = SimpleNamespace(is_dicom=True, safe_meta={"Modality": "MR"})
+    picture = SimpleNamespace(is_dicom=False, safe_meta={})
+    assert _pixel_value_text(ct, -850.0, 29, 63) == "-850 HU at column 64, row 30"
+    assert _pixel_value_text(mr, 1234.0, 0, 0) == "value 1234 at column 1, row 1"
+    assert _pixel_value_text(picture, 0.123456, 4, 9) == "value 0.1235 at column 10, row 5 (as stored: no unit)"
+    assert _pixel_value_text(picture, (200, 30, 90), 0, 0) == "RGB 200, 30, 90 at column 1, row 1"
+    assert _probe_html("k<", 3, "a & b") == '<span class="medvqa-probe" data-for="k&lt;:3">a &amp; b</span>'
+
+
+def test_the_value_tool_reads_the_slice_shown(tiny_pipeline, tmp_path):
+    """handlers.probe: the point as fractions of the image shown, the pixel of the frame on screen; nonsense
+    or no scan gives nothing."""
+    from medvqa.imaging import open_study
+    from medvqa.ui.handlers import _Handlers
+    from medvqa.ui.session import _Session
+
+    from .imaging_helpers import ct_series, slice_hu, zip_bytes
+
+    handlers = _Handlers(tiny_pipeline, tiny_pipeline.settings, 100)
+    (series,) = open_study(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(5, shuffle_seed=None))})).series
+    scan = series.render(frame=3)
+    session = _Session(tiny_pipeline, series, scan, tiny_pipeline.new_conversation(scan))
+    expected = int(slice_hu(3)[16, 48])  # (64 x 64 slices: row 16, column 48)
+    assert f">{expected} HU at column 49, row 17<" in handlers.probe("0.76,0.26,1", session)
+    assert series.value_at(3, 16, 48) == expected
+    assert handlers.probe("1.5,-2", session).endswith("HU at column 64, row 1</span>")  # clamped to the image
+    assert handlers.probe("nan,0.5", session) == handlers.probe("x", session) == handlers.probe("0.5,0.5", None) == ""
+    tiny_pipeline.end_conversation(session.conversation)

@@ -119,6 +119,19 @@ class ScanSource:
         `frame`: 0-based, None for the middle one."""
         return _run_public(self._render, window, frame)
 
+    def value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
+        """The value of one pixel of frame `frame` (0-based) before any window: after the modality rescale
+        (Hounsfield units for a CT), or a colour pixel's channels."""
+        return _run_public(self._value_at, frame, row, column)
+
+    def _value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
+        values = self._checked_frame(_check_frame(frame, self.frame_count)).values
+        rows, columns = values.shape[:2]
+        if not (0 <= row < rows and 0 <= column < columns):
+            raise ScanError(f"Pixel (column {column + 1}, row {row + 1}) is outside this {columns}×{rows} image.")
+        value = values[row, column]
+        return tuple(int(v) for v in value) if np.ndim(value) else float(value)
+
     def _render(self, window: Window | str | None, frame: int | None) -> Scan:
         index = self.default_frame if frame is None else _check_frame(frame, self.frame_count)
         decoded = self._checked_frame(index)

@@ -91,6 +91,11 @@ class Series:
         return dataclasses.replace(scan, frame_index=index, frame_count=self.frame_count, series=self.number,
                                    position_mm=self.positions_mm[index], safe_meta=meta)
 
+    def value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
+        """One pixel's value of slice `frame` (display order), as ScanSource.value_at gives it."""
+        chosen = self._slices[_run_public(self._check_slice, frame)]
+        return chosen.source.value_at(chosen.frame, row, column)
+
     @property
     def decoded_bytes(self) -> int:
         """Bytes of decoded pixels kept (the slice on screen's)."""

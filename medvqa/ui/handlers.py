@@ -28,8 +28,8 @@ from .render import _error_html, _error_message, _escape_model_text, _note, _ren
 from .session import _Answer, _Session
 from .transcript import _download_links, _transcript_json, _transcript_record, export_markdown
 from .uploads import _take_uploads
-from .viewer import (_PRESET_LABELS, _preset_value, _scan_meta, _series_choices, _study_notes,
-                     _view_key, _viewer_html, _window_controls)
+from .viewer import (_PRESET_LABELS, _pixel_value_text, _preset_value, _probe_html, _scan_meta, _series_choices,
+                     _study_notes, _view_key, _viewer_html, _window_controls)
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,28 @@ class _Handlers:
             ]
         outputs += [_scan_meta(scan), _copy(session.messages), session]
         return tuple(outputs)
+
+    def probe(self, at: str, session: _Session | None) -> str:
+        """The value of the scan's pixel under a click of the page's Value tool: `at` is "X,Y[,...]", the
+        point as fractions of the image shown (the page adds a count so that a second click there is sent)."""
+        if session is None:
+            return ""
+        try:
+            x, y = (float(part) for part in (at or "").split(",")[:2])
+            if not (math.isfinite(x) and math.isfinite(y)):
+                raise ValueError("not finite")
+        except ValueError:
+            return ""
+        with self.budget.using(session):
+            with session.lock:
+                source, scan = session.source, session.scan
+            rows, columns = scan.pixels.shape[:2]
+            row, column = (min(count - 1, max(0, int(where * count))) for where, count in ((y, rows), (x, columns)))
+            try:
+                value = source.value_at(scan.frame_index, row, column)
+            except ScanError as error:
+                return _probe_html(_view_key(source), scan.frame_index, str(error))
+        return _probe_html(_view_key(source), scan.frame_index, _pixel_value_text(source, value, row, column))
 
     @staticmethod
     def viewer_unchanged(session: _Session | None, message: dict | None = None):

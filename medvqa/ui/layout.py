@@ -86,6 +86,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                 viewer = gr.HTML(_EMPTY_VIEWER, elem_id="medvqa-viewer")
                 # Zoom is the page's alone (page.PAGE_JS): the model sees the whole scan whatever is shown.
                 gr.HTML(ZOOM_TOOLBAR, padding=False, elem_id="medvqa-zoom-bar")
+                # The Value tool: the page writes the point clicked here, the pixel's value comes back below.
+                probe_at = gr.Textbox(visible="hidden", elem_id="medvqa-probe-at", show_label=False)
+                probe_value = gr.HTML("", padding=False, elem_id="medvqa-probe")
                 series_notes = gr.HTML("", elem_id="medvqa-series-notes")
                 # A slice of a series or a frame of a file; the arrow keys scroll it once it has focus.
                 frame = gr.Slider(1, 2, value=1, step=1, label="Frame", visible=False, elem_id="medvqa-frame")
@@ -211,6 +214,8 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                                   api_visibility="private", show_progress="hidden")
             demo.load(literature, None, [footer, literature_timer], queue=False, api_visibility="private",
                       show_progress="hidden")
+        probe_at.change(handlers.probe, [probe_at, session], [probe_value], api_name="probe",
+                       show_progress="hidden", concurrency_limit=4, concurrency_id="probe", trigger_mode="always_last")
         demo.unload(_forget_closed_tabs(demo))  # a closed tab's session goes now, not an hour later
         # The endpoint keeps its name (/export): clients and tests call it.
         transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],

@@ -18,6 +18,10 @@ PAGE_CSS = """
 .medvqa-overlay line { stroke-linecap: round; vector-effect: non-scaling-stroke; }
 .medvqa-overlay .medvqa-ruler { stroke: #facc15; stroke-width: 2; }
 .medvqa-overlay .medvqa-ruler-shadow { stroke: #000; stroke-width: 4; }
+.medvqa-overlay circle { fill: none; vector-effect: non-scaling-stroke; }
+.medvqa-overlay .medvqa-point { stroke: #22d3ee; stroke-width: 2; }
+.medvqa-overlay .medvqa-point-shadow { stroke: #000; stroke-width: 4; }
+#medvqa-probe { font-size: 0.9em; font-weight: 600; min-height: 0; }
 #medvqa-zoom [aria-pressed=true] { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
 .medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
 .medvqa-frame.medvqa-panning { cursor: grabbing; }
@@ -60,7 +64,7 @@ PAGE_CSS = """
 #medvqa-stop:hover { background: #991b1b !important; border-color: #991b1b !important; }
 """
 
-# The viewer's zoom and measuring buttons (their handlers are in PAGE_JS; shown once there is a scan).
+# The viewer's zoom, measuring and pixel-value buttons (their handlers are in PAGE_JS; shown once there is a scan).
 ZOOM_TOOLBAR = (
     '<div id="medvqa-zoom" role="group" aria-label="Zoom and measure (the model sees the whole scan)" hidden>'
     '<button type="button" data-zoom="out" aria-label="Zoom out" title="Zoom out (−)">−</button>'
@@ -70,6 +74,8 @@ ZOOM_TOOLBAR = (
     '<button type="button" data-tool="measure" aria-pressed="false" '
     'title="Measure a distance: drag across the scan (Esc ends)">Measure</button>'
     '<output class="medvqa-length" aria-live="polite" aria-label="Length measured"></output>'
+    '<button type="button" data-tool="probe" aria-pressed="false" '
+    'title="Pixel value: click a point of the scan (Esc ends)">Value</button>'
     '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan.</span></div>')
 
 # Run when the page loads.
@@ -171,6 +177,19 @@ PAGE_JS = """
     const center = document.querySelector("#medvqa-center input[type=range]");
     const width = document.querySelector("#medvqa-width input[type=range]");
     const windowable = center && width && center.offsetParent !== null;
+    if (probing && event.button === 0 && !event.shiftKey) {  // the value of the pixel here, from the server
+      event.preventDefault();
+      const img = event.target.closest("#medvqa-scan"), [x, y] = shownPoint(img, event);
+      marker = {key: frameKey(img), x, y};
+      drawRuler();
+      const box = document.querySelector("#medvqa-probe-at textarea, #medvqa-probe-at input");
+      if (box) {
+        box.value = `${(x / Number(img.getAttribute("width"))).toFixed(6)},`
+          + `${(y / Number(img.getAttribute("height"))).toFixed(6)},${++probes}`;
+        box.dispatchEvent(new Event("input", {bubbles: true}));
+      }
+      return;
+    }
     if (measuring && event.button === 0 && !event.shiftKey) {  // a line drawn from here to where it is let go
       event.preventDefault();
       const img = event.target.closest("#medvqa-scan"), [x, y] = shownPoint(img, event);
@@ -264,7 +283,8 @@ PAGE_JS = """
     const view = img.closest("[data-view]")?.dataset.view ?? "";
     if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5});
     if (ruler && ruler.key !== frameKey(img)) ruler = null;  // a line belongs to the frame it was drawn on
-    frameOf(img).classList.toggle("medvqa-measuring", measuring);
+    if (marker && marker.key !== frameKey(img)) marker = null;
+    frameOf(img).classList.toggle("medvqa-measuring", measuring || probing);
     const frame = img.parentElement;
     frame.classList.toggle("medvqa-zoomed", zoomed());
     if (bar) {
@@ -293,7 +313,11 @@ PAGE_JS = """
   // DICOM's pixel spacing (the figure's data-measure, viewer._measure_scale; "at the detector" for a
   // radiograph's imager spacing), else in the scan's own pixels. A line belongs to its frame: another frame,
   // slice or scan clears it, a new window or zoom keeps it. Esc ends measuring.
+  // The Value tool: a click asks the server for the pixel's value there (the hidden #medvqa-probe-at box,
+  // handlers.probe), which comes back in #medvqa-probe marked with the frame it was read on; a marker shows
+  // the point. Both go with another frame, as a line does.
   let measuring = false, ruler = null;  // ruler: {key, x0, y0, x1, y1} in the shown image's pixels
+  let probing = false, marker = null, probes = 0;  // marker: {key, x, y}
   const SVG = "http://www.w3.org/2000/svg";
   const frameOf = (img) => img.parentElement;
   const frameKey = (img) => {
@@ -309,9 +333,9 @@ PAGE_JS = """
   const drawRuler = () => {
     const img = zoom.img, length = document.querySelector("#medvqa-zoom output.medvqa-length");
     const old = img ? frameOf(img).querySelector("svg.medvqa-overlay") : null;
-    if (!img || !ruler) {
+    if (length && !ruler) length.textContent = "";
+    if (!img || (!ruler && !marker)) {
       old?.remove();
-      if (length) length.textContent = "";
       return;
     }
     let svg = old;
@@ -325,18 +349,34 @@ PAGE_JS = """
         line.setAttribute("class", name);
         svg.appendChild(line);
       }
+      for (const name of ["medvqa-point-shadow", "medvqa-point"]) {
+        const ring = document.createElementNS(SVG, "circle");
+        ring.setAttribute("class", name);
+        svg.appendChild(ring);
+      }
       frameOf(img).appendChild(svg);
     }
     svg.setAttribute("viewBox", `0 0 ${img.getAttribute("width")} ${img.getAttribute("height")}`);
     const box = img.getBoundingClientRect();
     svg.style.width = `${box.width}px`;
     svg.style.height = `${box.height}px`;
+    const shownPerCss = Number(img.getAttribute("width")) / box.width;  // shown pixels per CSS pixel
+    for (const ring of svg.querySelectorAll("circle")) {
+      ring.style.display = marker ? "" : "none";
+      if (!marker) continue;
+      ring.setAttribute("cx", marker.x);
+      ring.setAttribute("cy", marker.y);
+      ring.setAttribute("r", 6 * shownPerCss);  // 6 CSS pixels whatever the zoom
+    }
     for (const line of svg.querySelectorAll("line")) {
+      line.style.display = ruler ? "" : "none";
+      if (!ruler) continue;
       line.setAttribute("x1", ruler.x0);
       line.setAttribute("y1", ruler.y0);
       line.setAttribute("x2", ruler.x1);
       line.setAttribute("y2", ruler.y1);
     }
+    if (!ruler) return;
     const [down, across, unit, note] = (img.closest("[data-measure]")?.dataset.measure || "1,1,px,").split(",");
     const size = Math.hypot((ruler.x1 - ruler.x0) * Number(across), (ruler.y1 - ruler.y0) * Number(down));
     if (length) {
@@ -351,12 +391,26 @@ PAGE_JS = """
     drawRuler();
     document.querySelector("#medvqa-zoom output.medvqa-length")?.setAttribute("aria-busy", "false");
   };
-  const measure = (on) => {
-    measuring = on;
-    if (!on) ruler = null;
-    document.querySelector("#medvqa-zoom [data-tool=measure]")?.setAttribute("aria-pressed", String(on));
-    if (zoom.img) frameOf(zoom.img).classList.toggle("medvqa-measuring", on);
+  const useTool = (name) => {  // "measure", "probe" or null: one at a time
+    measuring = name === "measure";
+    probing = name === "probe";
+    if (!measuring) ruler = null;
+    if (!probing) marker = null;
+    for (const button of document.querySelectorAll("#medvqa-zoom [data-tool]")) {
+      button.setAttribute("aria-pressed", String(button.dataset.tool === name));
+    }
+    if (zoom.img) frameOf(zoom.img).classList.toggle("medvqa-measuring", measuring || probing);
     drawRuler();
+    staleValues();
+  };
+  const staleValues = () => {  // a pixel's value shown only while its frame is, and its tool on
+    const key = zoom.img ? frameKey(zoom.img) : "";
+    for (const value of document.querySelectorAll("#medvqa-probe .medvqa-probe")) {
+      const stale = !probing || value.dataset.for !== key;
+      if (value.hidden !== stale) value.hidden = stale;
+    }
+    const region = document.querySelector("#medvqa-probe");
+    if (region && !region.hasAttribute("aria-live")) region.setAttribute("aria-live", "polite");
   };
   const placed = () => `${zoom.view}:${zoom.scale}`;
   const zoomTo = (scale, px, py) => {  // to `scale`, the point under (px, py) of the frame staying there
@@ -380,14 +434,14 @@ PAGE_JS = """
   document.addEventListener("click", (event) => {
     const button = event.target.closest && event.target.closest("#medvqa-zoom button");
     if (!button) return;
-    if (button.dataset.tool === "measure") measure(!measuring);
+    if (button.dataset.tool) useTool(button.getAttribute("aria-pressed") === "true" ? null : button.dataset.tool);
     else if (button.dataset.zoom === "fit") zoomTo(1);
     else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
   });
   document.addEventListener("keydown", (event) => {
-    if (event.key === "Escape" && measuring && !event.defaultPrevented
+    if (event.key === "Escape" && (measuring || probing) && !event.defaultPrevented
         && (event.target === document.body || event.target.closest?.("#medvqa-viewer, #medvqa-zoom"))) {
-      measure(false);
+      useTool(null);
     }
     if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
         || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
@@ -411,6 +465,7 @@ PAGE_JS = """
   new MutationObserver(() => {
     const img = document.querySelector("#medvqa-scan");
     if (img !== zoom.img || (img && img.dataset.placed !== placed())) placeZoom();
+    staleValues();
   }).observe(document.body, {childList: true, subtree: true, attributes: true,
                              attributeFilter: ["src", "style", "class", "data-placed", "data-view"]});
   // The column's width changes (the window, the page's layout): the zoomed scan keeps its place.

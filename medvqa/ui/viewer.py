@@ -98,6 +98,24 @@ def _spacing(text: str) -> tuple[float, float] | None:
     return values[0], values[1]
 
 
+def _pixel_value_text(source: ScanSource | Series, value: float | tuple[int, ...], row: int, column: int) -> str:
+    """What the Value tool says of a pixel: in Hounsfield units for a CT, a colour's channels, else the
+    value as stored after the file's rescale; and where it is (1-based, in the scan's own pixels)."""
+    where = f"at column {column + 1}, row {row + 1}"
+    if isinstance(value, tuple):
+        return f"RGB {', '.join(str(v) for v in value)} {where}"
+    number = f"{value:.0f}" if float(value).is_integer() or abs(value) >= 100 else f"{value:.4g}"
+    if in_hounsfield_units(source):
+        return f"{number} HU {where}"
+    return f"value {number} {where}" + ("" if source.is_dicom else " (as stored: no unit)")
+
+
+def _probe_html(view: str, frame: int, text: str) -> str:
+    """The Value tool's answer, marked with the view and frame it was read on: the page hides it once
+    another frame, slice or scan is shown (page.PAGE_JS)."""
+    return f'<span class="medvqa-probe" data-for="{html.escape(view)}:{frame}">{html.escape(text)}</span>'
+
+
 def _place_caption(scan: Scan) -> str:
     """"frame 2 of 5", or "series 1 · slice 12 of 40 · 27.5 mm" for a slice of a series."""
     if scan.series is None:
