@@ -315,6 +315,7 @@ def test_the_value_of_a_pixel_in_hounsfield_units_and_as_stored(page, tmp_path):
     page.click("#medvqa-zoom [data-tool=measure]")
     assert value.get_attribute("aria-pressed") == "false" and shown.is_hidden()
     page.click("#medvqa-zoom [data-tool=probe]")
+    assert shown.is_hidden() and page.locator(".medvqa-overlay").count() == 0  # that point's value went with its mark
 
     picture = tmp_path / "colour.png"
     Image.fromarray(np.dstack([np.full((60, 80), c, np.uint8) for c in (200, 30, 90)])).save(picture)

@@ -322,3 +322,16 @@ def test_each_slice_gives_its_own_pixel_spacing():
     spacings = [series.render(frame=i).safe_meta.get("PixelSpacing") for i in range(series.frame_count)]
     assert spacings == ["1.5\\1.5"] + ["0.5\\0.5"] * 4
     assert series.safe_meta["PixelSpacing"] == "0.5\\0.5"
+
+
+def test_reading_a_pixel_of_a_slice_not_shown_keeps_nothing_decoded():
+    from medvqa.imaging import open_study
+
+    from .imaging_helpers import ct_series, slice_hu, zip_bytes
+
+    (series,) = open_study(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(5, shuffle_seed=None))})).series
+    series.render(frame=3)
+    shown = series.decoded_bytes
+    assert series.value_at(1, 10, 20) == slice_hu(1)[10, 20]
+    assert series._slices[1].source.decoded_bytes == 0 and series.decoded_bytes == shown
+    assert series.value_at(3, 10, 20) == slice_hu(3)[10, 20] and series.decoded_bytes == shown

@@ -59,7 +59,8 @@ def test_a_pixel_value_is_said_in_its_unit_and_place():
     assert _pixel_value_text(mr, 1234.0, 0, 0) == "value 1234 at column 1, row 1"
     assert _pixel_value_text(picture, 0.123456, 4, 9) == "value 0.1235 at column 10, row 5 (as stored: no unit)"
     assert _pixel_value_text(picture, (200, 30, 90), 0, 0) == "RGB 200, 30, 90 at column 1, row 1"
-    assert _probe_html("k<", 3, "a & b") == '<span class="medvqa-probe" data-for="k&lt;:3">a &amp; b</span>'
+    assert _probe_html("k<:3", "7", "a & b") == \
+        '<span class="medvqa-probe" data-for="k&lt;:3" data-click="7">a &amp; b</span>'
 
 
 def test_the_value_tool_reads_the_slice_shown(tiny_pipeline, tmp_path):
@@ -68,6 +69,7 @@ def test_the_value_tool_reads_the_slice_shown(tiny_pipeline, tmp_path):
     from medvqa.imaging import open_study
     from medvqa.ui.handlers import _Handlers
     from medvqa.ui.session import _Session
+    from medvqa.ui.viewer import _view_key
 
     from .imaging_helpers import ct_series, slice_hu, zip_bytes
 
@@ -75,9 +77,14 @@ def test_the_value_tool_reads_the_slice_shown(tiny_pipeline, tmp_path):
     (series,) = open_study(zip_bytes({f"{n}.dcm": f for n, f in enumerate(ct_series(5, shuffle_seed=None))})).series
     scan = series.render(frame=3)
     session = _Session(tiny_pipeline, series, scan, tiny_pipeline.new_conversation(scan))
+    shown = f"{_view_key(series)}:3"
     expected = int(slice_hu(3)[16, 48])  # (64 x 64 slices: row 16, column 48)
-    assert f">{expected} HU at column 49, row 17<" in handlers.probe("0.76,0.26,1", session)
+    assert handlers.probe(f"0.76,0.26,1,{shown}", session) == \
+        f'<span class="medvqa-probe" data-for="{shown}" data-click="1">{expected} HU at column 49, row 17</span>'
     assert series.value_at(3, 16, 48) == expected
-    assert handlers.probe("1.5,-2", session).endswith("HU at column 64, row 1</span>")  # clamped to the image
-    assert handlers.probe("nan,0.5", session) == handlers.probe("x", session) == handlers.probe("0.5,0.5", None) == ""
+    assert handlers.probe(f"1.5,-2,2,{shown}", session).endswith("HU at column 64, row 1</span>")  # clamped
+    # A click on a slice no longer shown (the reader scrolled on) is not answered with the one shown.
+    assert handlers.probe(f"0.5,0.5,3,{_view_key(series)}:2", session) == ""
+    assert handlers.probe(f"nan,0.5,4,{shown}", session) == handlers.probe("x", session) == ""
+    assert handlers.probe(f"0.5,0.5,5,{shown}", None) == ""
     tiny_pipeline.end_conversation(session.conversation)

@@ -121,16 +121,20 @@ class ScanSource:
 
     def value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
         """The value of one pixel of frame `frame` (0-based) before any window: after the modality rescale
-        (Hounsfield units for a CT), or a colour pixel's channels."""
+        (Hounsfield units for a CT), or a colour pixel's channels on the 0-255 scale it is shown on (a
+        12-bit RGB's or a palette's as drawn)."""
         return _run_public(self._value_at, frame, row, column)
 
     def _value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
-        values = self._checked_frame(_check_frame(frame, self.frame_count)).values
+        decoded = self._checked_frame(_check_frame(frame, self.frame_count))
+        values = decoded.values
         rows, columns = values.shape[:2]
         if not (0 <= row < rows and 0 <= column < columns):
             raise ScanError(f"Pixel (column {column + 1}, row {row + 1}) is outside this {columns}×{rows} image.")
         value = values[row, column]
-        return tuple(int(v) for v in value) if np.ndim(value) else float(value)
+        if np.ndim(value):
+            return tuple(min(255, max(0, int(round(float(v) * 255.0 / decoded.white)))) for v in value)
+        return float(value)
 
     def _render(self, window: Window | str | None, frame: int | None) -> Scan:
         index = self.default_frame if frame is None else _check_frame(frame, self.frame_count)

@@ -94,7 +94,10 @@ class Series:
     def value_at(self, frame: int, row: int, column: int) -> float | tuple[int, ...]:
         """One pixel's value of slice `frame` (display order), as ScanSource.value_at gives it."""
         chosen = self._slices[_run_public(self._check_slice, frame)]
-        return chosen.source.value_at(chosen.frame, row, column)
+        value = chosen.source.value_at(chosen.frame, row, column)
+        if chosen.source is not self._shown:
+            chosen.source.forget_decoded()  # only the slice on screen stays decoded (it alone is counted)
+        return value
 
     @property
     def decoded_bytes(self) -> int:

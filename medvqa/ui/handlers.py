@@ -224,12 +224,15 @@ class _Handlers:
         return tuple(outputs)
 
     def probe(self, at: str, session: _Session | None) -> str:
-        """The value of the scan's pixel under a click of the page's Value tool: `at` is "X,Y[,...]", the
-        point as fractions of the image shown (the page adds a count so that a second click there is sent)."""
+        """The value of the scan's pixel under a click of the page's Value tool. `at` is "X,Y,CLICK,SHOWN":
+        the point as fractions of the image shown, the page's count of clicks (the answer carries it back),
+        and the view and frame clicked on (viewer._view_key:frame). A frame no longer shown gives nothing:
+        the value of another slice must not be read as the one clicked."""
         if session is None:
             return ""
         try:
-            x, y = (float(part) for part in (at or "").split(",")[:2])
+            x_text, y_text, click, shown = (at or "").split(",", 3)
+            x, y = float(x_text), float(y_text)
             if not (math.isfinite(x) and math.isfinite(y)):
                 raise ValueError("not finite")
         except ValueError:
@@ -237,13 +240,15 @@ class _Handlers:
         with self.budget.using(session):
             with session.lock:
                 source, scan = session.source, session.scan
+            if shown != f"{_view_key(source)}:{scan.frame_index}":
+                return ""
             rows, columns = scan.pixels.shape[:2]
             row, column = (min(count - 1, max(0, int(where * count))) for where, count in ((y, rows), (x, columns)))
             try:
                 value = source.value_at(scan.frame_index, row, column)
             except ScanError as error:
-                return _probe_html(_view_key(source), scan.frame_index, str(error))
-        return _probe_html(_view_key(source), scan.frame_index, _pixel_value_text(source, value, row, column))
+                return _probe_html(shown, click, str(error))
+        return _probe_html(shown, click, _pixel_value_text(source, value, row, column))
 
     @staticmethod
     def viewer_unchanged(session: _Session | None, message: dict | None = None):

@@ -214,8 +214,9 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                                   api_visibility="private", show_progress="hidden")
             demo.load(literature, None, [footer, literature_timer], queue=False, api_visibility="private",
                       show_progress="hidden")
+        # (.change: the page sets the box and sends an input event, which Gradio's .input does not take as typing)
         probe_at.change(handlers.probe, [probe_at, session], [probe_value], api_name="probe",
-                       show_progress="hidden", concurrency_limit=4, concurrency_id="probe", trigger_mode="always_last")
+                        show_progress="hidden", concurrency_limit=4, concurrency_id="probe")
         demo.unload(_forget_closed_tabs(demo))  # a closed tab's session goes now, not an hour later
         # The endpoint keeps its name (/export): clients and tests call it.
         transcript_button.click(handlers.export, [session], [transcript_links, transcript_markdown, transcript_json],

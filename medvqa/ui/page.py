@@ -66,7 +66,8 @@ PAGE_CSS = """
 
 # The viewer's zoom, measuring and pixel-value buttons (their handlers are in PAGE_JS; shown once there is a scan).
 ZOOM_TOOLBAR = (
-    '<div id="medvqa-zoom" role="group" aria-label="Zoom and measure (the model sees the whole scan)" hidden>'
+    '<div id="medvqa-zoom" role="group" aria-label="Zoom, measure and pixel value (the model sees the whole scan)" '
+    'hidden>'
     '<button type="button" data-zoom="out" aria-label="Zoom out" title="Zoom out (−)">−</button>'
     '<output class="medvqa-level" aria-live="polite" aria-label="Zoom level">100 %</output>'
     '<button type="button" data-zoom="in" aria-label="Zoom in" title="Zoom in (+)">+</button>'
@@ -180,12 +181,13 @@ PAGE_JS = """
     if (probing && event.button === 0 && !event.shiftKey) {  // the value of the pixel here, from the server
       event.preventDefault();
       const img = event.target.closest("#medvqa-scan"), [x, y] = shownPoint(img, event);
-      marker = {key: frameKey(img), x, y};
+      marker = {key: frameKey(img), x, y, click: ++probes};
       drawRuler();
+      staleValues();  // the last point's value goes until this one's comes
       const box = document.querySelector("#medvqa-probe-at textarea, #medvqa-probe-at input");
       if (box) {
         box.value = `${(x / Number(img.getAttribute("width"))).toFixed(6)},`
-          + `${(y / Number(img.getAttribute("height"))).toFixed(6)},${++probes}`;
+          + `${(y / Number(img.getAttribute("height"))).toFixed(6)},${marker.click},${marker.key}`;
         box.dispatchEvent(new Event("input", {bubbles: true}));
       }
       return;
@@ -403,10 +405,10 @@ PAGE_JS = """
     drawRuler();
     staleValues();
   };
-  const staleValues = () => {  // a pixel's value shown only while its frame is, and its tool on
-    const key = zoom.img ? frameKey(zoom.img) : "";
+  const staleValues = () => {  // a pixel's value shown only beside the mark of the click it answers
     for (const value of document.querySelectorAll("#medvqa-probe .medvqa-probe")) {
-      const stale = !probing || value.dataset.for !== key;
+      const stale = !probing || !marker || value.dataset.for !== marker.key
+        || value.dataset.click !== String(marker.click);
       if (value.hidden !== stale) value.hidden = stale;
     }
     const region = document.querySelector("#medvqa-probe");

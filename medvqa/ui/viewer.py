@@ -99,8 +99,8 @@ def _spacing(text: str) -> tuple[float, float] | None:
 
 
 def _pixel_value_text(source: ScanSource | Series, value: float | tuple[int, ...], row: int, column: int) -> str:
-    """What the Value tool says of a pixel: in Hounsfield units for a CT, a colour's channels, else the
-    value as stored after the file's rescale; and where it is (1-based, in the scan's own pixels)."""
+    """What the Value tool says of a pixel: in Hounsfield units for a CT, a colour's channels (as shown),
+    else the file's value after its rescale; and where it is (1-based, in the scan's own pixels)."""
     where = f"at column {column + 1}, row {row + 1}"
     if isinstance(value, tuple):
         return f"RGB {', '.join(str(v) for v in value)} {where}"
@@ -110,10 +110,11 @@ def _pixel_value_text(source: ScanSource | Series, value: float | tuple[int, ...
     return f"value {number} {where}" + ("" if source.is_dicom else " (as stored: no unit)")
 
 
-def _probe_html(view: str, frame: int, text: str) -> str:
-    """The Value tool's answer, marked with the view and frame it was read on: the page hides it once
-    another frame, slice or scan is shown (page.PAGE_JS)."""
-    return f'<span class="medvqa-probe" data-for="{html.escape(view)}:{frame}">{html.escape(text)}</span>'
+def _probe_html(shown: str, click: str, text: str) -> str:
+    """The Value tool's answer, marked with the view and frame it was read on and the click it answers:
+    the page shows it only beside that click's mark (page.PAGE_JS)."""
+    return (f'<span class="medvqa-probe" data-for="{html.escape(shown)}" data-click="{html.escape(click)}">'
+            f'{html.escape(text)}</span>')
 
 
 def _place_caption(scan: Scan) -> str:
