@@ -21,7 +21,8 @@ PAGE_CSS = """
 .medvqa-overlay circle { fill: none; vector-effect: non-scaling-stroke; }
 .medvqa-overlay .medvqa-point { stroke: #22d3ee; stroke-width: 2; }
 .medvqa-overlay .medvqa-point-shadow { stroke: #000; stroke-width: 4; }
-#medvqa-probe { font-size: 0.9em; font-weight: 600; min-height: 0; }
+#medvqa-probe { font-size: 0.9em; font-weight: 600; min-height: 0; margin-top: calc(-1 * var(--layout-gap, 12px)); }
+#medvqa-zoom output.medvqa-length:empty { min-width: 0; }
 #medvqa-zoom [aria-pressed=true] { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
 .medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
 .medvqa-frame.medvqa-panning { cursor: grabbing; }
