@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from medvqa.pipeline import Pipeline
     from medvqa.projector import ProjectorShapeError
     from medvqa.retrieval import RetrievalError, ensure_default_index
+    from medvqa.retrieval.background import room_to_build_beside
     from medvqa.retrieval.index import check_buildable, default_index_ready
     from medvqa.ui import auth_from_env, build_app, is_loopback, launch
 
@@ -71,14 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Loading the {settings.profile!r} profile (a first start converts the decoder; this takes a few "
           f"minutes once).", file=sys.stderr)
     with_retrieval = None
+    beside = not args.wait_for_index  # a missing index built beside the serving app (else before it serves)
     if settings.retrieval.enabled:
         try:
-            if args.wait_for_index:
+            if not beside:
                 ensure_default_index(settings.retrieval, progress=True)
             elif not default_index_ready(settings.retrieval):
                 check_buildable(settings.retrieval)
-                print("The literature index is built while the app serves (several minutes on 2 cores); answers "
-                      "have no sources until it is ready.", file=sys.stderr)
+                if room_to_build_beside():
+                    print("The literature index is built while the app serves (several minutes on 2 cores); "
+                          "answers have no sources until it is ready.", file=sys.stderr)
+                else:
+                    print("This machine has too little free memory to build the literature index beside the app; "
+                          "it is built first (several minutes on 2 cores).", file=sys.stderr)
+                    beside = False
+                    ensure_default_index(settings.retrieval, progress=True)
         except RetrievalError as error:
             print(f"warning: literature retrieval is unavailable, serving without it: {error}", file=sys.stderr)
             with_retrieval = False
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = ServingMetrics()
     try:
         pipeline = Pipeline.load(settings, with_retrieval=with_retrieval, progress=True, metrics=metrics,
-                                 index_in_background=not args.wait_for_index)
+                                 index_in_background=beside)
     except (ModelMissingError, ProjectorShapeError) as error:  # the message says how to get or rebuild the
         # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)

@@ -196,3 +196,13 @@ def test_the_page_says_the_index_is_being_built_and_then_that_retrieval_is_on(br
             demo.close()
     finally:
         release()
+
+
+def test_the_index_is_built_beside_the_app_only_where_memory_allows(tmp_path):
+    from medvqa.retrieval.background import BUILD_BESIDE_MB, room_to_build_beside
+
+    meminfo = tmp_path / "meminfo"
+    for available_mb, room in ((1400 + BUILD_BESIDE_MB, True), (1400 + BUILD_BESIDE_MB - 1, False), (16000, True)):
+        meminfo.write_text(f"MemTotal:       32000000 kB\nMemAvailable:   {available_mb * 1024} kB\n")
+        assert room_to_build_beside(meminfo_path=str(meminfo)) is room
+    assert room_to_build_beside(meminfo_path=str(tmp_path / "absent"))  # not Linux: as if there were room
