@@ -115,8 +115,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     demo = build_app(pipeline, settings, max_upload_mb=args.max_upload_mb, concurrency=args.concurrency, pacs=pacs)
+    _stop_on_sigterm()
     launch(demo, host=args.host, port=args.port, max_upload_mb=args.max_upload_mb, auth=auth, metrics=metrics)
     return 0
+
+
+def _stop_on_sigterm() -> None:
+    """Let SIGTERM (`kill`, `docker stop`, `systemctl stop`) end the app as Ctrl+C does: the server
+    closes and the exit handlers run, removing the private upload folder with any upload waiting in it.
+    Python's default would end the process at once and leave the folder behind."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _tune_malloc(arenas: int = 2, mmap_threshold_mb: int = 4) -> None:

@@ -192,7 +192,7 @@ class _StandIn:
 
 def _ask(args) -> int:
     from .confidence import confidence_text
-    from .imaging import ScanError, check_preset, open_study, parse_window
+    from .imaging import BURNED_IN_NOTE, ScanError, burned_in, check_preset, open_study, parse_window
     from .injection import check_answer
     from .language_model import ModelMissingError
     from .answer_head import open_note
@@ -228,6 +228,8 @@ def _ask(args) -> int:
         # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if burned_in(scan.safe_meta):
+        print(f"warning: {BURNED_IN_NOTE}", file=sys.stderr)
     conversation = pipeline.new_conversation(scan)
     mid_line = False  # the answer's last line is not ended yet
     try:

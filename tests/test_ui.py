@@ -360,12 +360,13 @@ def test_a_closed_tab_is_forgotten_at_once(ui_app, ui_pipeline, monkeypatch):
     c = client(url)
     upload(c, dicom_file("CT_small.dcm"))
     ask_streaming(c, QUESTION)
-    assert c.session_hash in demo.state_holder.session_data
+    key = demo.medvqa_tabs.key(c.cookies.get("medvqa-browser"), c.session_hash)  # as Gradio sees it (tab_binding.py)
+    assert key in demo.state_holder.session_data
     c.close()  # the tab goes away: its heartbeat ends
     deadline = time.time() + 30
-    while c.session_hash in demo.state_holder.session_data and time.time() < deadline:
+    while key in demo.state_holder.session_data and time.time() < deadline:
         time.sleep(0.1)
-    assert c.session_hash not in demo.state_holder.session_data, "the closed tab's session is still held"
+    assert key not in demo.state_holder.session_data, "the closed tab's session is still held"
     deadline = time.time() + 10
     while not ended and time.time() < deadline:
         time.sleep(0.1)

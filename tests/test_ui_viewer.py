@@ -88,3 +88,43 @@ def test_the_value_tool_reads_the_slice_shown(tiny_pipeline, tmp_path):
     assert handlers.probe(f"nan,0.5,4,{shown}", session) == handlers.probe("x", session) == ""
     assert handlers.probe(f"0.5,0.5,5,{shown}", None) == ""
     tiny_pipeline.end_conversation(session.conversation)
+
+
+def test_a_scan_that_says_text_is_burned_into_its_pixels_is_shown_with_a_warning(tmp_path, capsys):
+    """Burned In Annotation YES: the viewer, the export and the command line say that the pixels may name
+    the patient, and that the model reads them; a file saying NO, or nothing, gets no warning."""
+    from medvqa.imaging import BURNED_IN_NOTE, burned_in, cli_scan, cli_scan_study, load_scan, open_study
+    from medvqa.ui.transcript import _download_links, _transcript_record, export_markdown
+    from medvqa.ui.viewer import _viewer_html
+
+    from .imaging_helpers import ct_series, dicom_bytes, make_dicom, zip_bytes
+
+    stored = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) % 4000
+    for flag, warned in (("YES", True), ("NO", False), (None, False)):
+        extra = {"BurnedInAnnotation": flag} if flag is not None else {}
+        path = tmp_path / f"scan-{flag}.dcm"
+        path.write_bytes(dicom_bytes(make_dicom(stored, **extra)))
+        scan = load_scan(path)
+        assert burned_in(scan.safe_meta) is warned
+        assert ('class="medvqa-warning" role="note"' in _viewer_html(scan)) is warned
+        assert cli_scan(str(path)) == 0
+        assert (BURNED_IN_NOTE in capsys.readouterr().out) is warned
+
+    source = SimpleNamespace(source_format="dicom", frame_count=1, safe_meta={"Modality": "US", "BurnedInAnnotation": "YES"})
+    record = _transcript_record(SimpleNamespace(source=source, study=None, turns=[]), SimpleNamespace(profile="tiny"))
+    assert record["scan"]["burned_in_annotation"] is True
+    assert "burned into its pixels" in export_markdown(record) and "No patient data." not in export_markdown(record)
+    assert "burned into its pixels" in _download_links("", "", burned_in_annotation=True)
+    assert "no patient data, no image" in _download_links("", "")
+
+    # A series: each slice says it for itself, and the command line counts them.
+    files = ct_series(4) + ct_series(2, BurnedInAnnotation="YES")
+    folder = tmp_path / "study.zip"
+    folder.write_bytes(zip_bytes({f"f{i}.dcm": data for i, data in enumerate(files)}))
+    study = open_study(str(folder))
+    assert [s.burned_in_slices for s in study.series] == [0, 2]
+    flagged = study.series[1]
+    assert 'class="medvqa-warning"' in _viewer_html(flagged.render(frame=1))
+    assert 'class="medvqa-warning"' not in _viewer_html(study.series[0].render(frame=1))
+    assert cli_scan_study(str(folder), as_json=False) == 0
+    assert "2 of 2 slices say text is burned into their pixels" in capsys.readouterr().out

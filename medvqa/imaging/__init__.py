@@ -32,12 +32,14 @@ Modules, each importing only those listed before it:
 """
 
 from .guard import ScanError
-from .scan import Scan, ScanLimits, ScanSource, check_preset, in_hounsfield_units, parse_window
+from .scan import (BURNED_IN_NOTE, Scan, ScanLimits, ScanSource, burned_in, check_preset, in_hounsfield_units,
+                   parse_window)
 from .series import Series, Study, cli_scan_study, open_study
 from .upload import cli_scan, load_scan, open_scan
 from .windowing import WINDOW_PRESETS, Window
 
 __all__ = [
+    "BURNED_IN_NOTE",
     "WINDOW_PRESETS",
     "Scan",
     "ScanError",
@@ -46,6 +48,7 @@ __all__ = [
     "Series",
     "Study",
     "Window",
+    "burned_in",
     "check_preset",
     "cli_scan",
     "cli_scan_study",

@@ -54,6 +54,16 @@ class ScanLimits:
     max_zip_ratio: float = 100.0  # extracted size over compressed size, per entry and in all (zip bombs)
 
 
+BURNED_IN_NOTE = ("This file says text is burned into its pixels (Burned In Annotation: YES), and such text often "
+                  "names the patient. The model reads the pixels as shown, so an answer could repeat it; the "
+                  "conversation's export holds no image.")
+
+
+def burned_in(safe_meta: dict[str, str]) -> bool:
+    """Whether a DICOM's Burned In Annotation says identifying text may be drawn into its pixels."""
+    return safe_meta.get("BurnedInAnnotation", "").strip().upper() == "YES"
+
+
 @dataclass
 class Scan:
     pixels: np.ndarray | None  # (H, W, 3) uint8, what the model sees and the viewer shows (None: dropped

@@ -30,7 +30,7 @@ from .archive import _read_files
 from .dicom import _NoImage, _open_dicom_placed, _Placement
 from .guard import ScanError, _run_public
 from .picture import _open_picture
-from .scan import MIN_SIDE, Scan, ScanLimits, ScanSource, _check_frame, _TooSmall
+from .scan import MIN_SIDE, Scan, ScanLimits, ScanSource, _check_frame, _TooSmall, burned_in
 from .upload import _sniff_format
 from .windowing import Window
 
@@ -38,7 +38,7 @@ _SAME_MM = 0.01  # positions closer than this are the same position
 _SAME_DIRECTION = 1e-3  # direction cosines closer than this are the same orientation
 # Fields a slice gives of itself rather than the series' middle slice: its size and the spacing of its
 # pixels, so that a measurement on it (the page's ruler) is its own.
-_OWN_PER_SLICE = ("Rows", "Columns", "PixelSpacing", "ImagerPixelSpacing")
+_OWN_PER_SLICE = ("Rows", "Columns", "PixelSpacing", "ImagerPixelSpacing", "BurnedInAnnotation")
 _GAP_FACTOR = 1.5  # a spacing this much wider than the usual one is a gap
 _COPY = "a duplicate of another file in the upload"
 
@@ -118,10 +118,15 @@ class Series:
             raise ScanError(f"Slice{shown} was requested, but this series has {count} slice{'s' if count > 1 else ''} "
                             f"(1 to {count}).") from None
 
+    @property
+    def burned_in_slices(self) -> int:
+        """How many slices' files say text is burned into their pixels (scan.burned_in)."""
+        return sum(burned_in(s.source.safe_meta) for s in self._slices)
+
     def summary(self) -> dict:
         """What `medvqa scan --json` prints for the series."""
         return {"modality": self.modality, "slices": self.frame_count, "positions_mm": self.positions_mm,
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), "burned_in_slices": self.burned_in_slices}
 
     def describe(self) -> str:
         """A label for a series picker, from allow-listed fields only."""
@@ -300,6 +305,9 @@ def cli_scan_study(path: str, as_json: bool) -> int:
         print(f"{series.describe()}{span}")
         for warning in series.warnings:
             print(f"  warning: {warning}")
+        if series.burned_in_slices:
+            print(f"  warning: {series.burned_in_slices} of {series.frame_count} slices say text is burned into "
+                  "their pixels (Burned In Annotation: YES), which often names the patient; the model reads it.")
     for note in study.notes:
         print(f"note: {note}")
     return 0

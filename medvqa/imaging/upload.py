@@ -14,7 +14,7 @@ import sys
 from .dicom import _open_dicom
 from .guard import ScanError, _guarded, _run_public
 from .picture import _open_picture
-from .scan import Scan, ScanLimits, ScanSource
+from .scan import BURNED_IN_NOTE, Scan, ScanLimits, ScanSource, burned_in
 from .windowing import Window
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ def cli_scan(path: str) -> int:
         print(f"{key}: {value}")
     print(f"window: {scan.describe_window()}")
     print(f"frames: {scan.frame_count} (showing frame {scan.frame_index + 1} of {scan.frame_count})")  # as --slice
+    if burned_in(scan.safe_meta):
+        print(f"warning: {BURNED_IN_NOTE}")
     return 0
 
 

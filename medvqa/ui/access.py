@@ -12,7 +12,10 @@ failures each further try must wait a delay that doubles with every failure, and
 is answered 429 with a message saying how long to wait (the password is not even checked).
 
 It also refuses Gradio's file routes for anything in the upload folder (an upload is never served
-back: the scan is shown as an inline image), and tells the `UploadFolder` when an upload request
+back: the scan is shown as an inline image), and Gradio's deep links: `/gradio_api/deep_link` would
+write the session's components, the scan as an inline PNG and the chat among them, to a file in
+the upload folder, and a page opened with `?deep_link=` would show them to whoever has the link.
+And it tells the `UploadFolder` when an upload request
 starts and ends, so that a refused one's temporary file is deleted right away.
 """
 
@@ -23,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, parse_qsl, unquote
 
 from starlette.requests import HTTPConnection
 
@@ -40,6 +43,7 @@ _FILE_ROUTES = ("/gradio_api/file=", "/gradio_api/file/", "/file=", "/file/")
 _PUBLIC_PATHS = {"/", "/login", "/logout", "/favicon.ico", "/theme.css", "/gradio_api/theme.css", "/robots.txt",
                  "/manifest.json", "/gradio_api/login_check", "/gradio_api/startup-events"}
 _PUBLIC_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
+DEEP_LINK_ROUTE = "/gradio_api/deep_link"
 
 
 class AccessGuard:
@@ -63,6 +67,9 @@ class AccessGuard:
             return
         if self.login_required and not _is_public(path) and not _logged_in(scope):
             await _refuse(scope, send, 401, "Not authenticated: log in first.")
+            return
+        if path.rstrip("/") == DEEP_LINK_ROUTE or _asks_deep_link(scope):
+            await _refuse(scope, send, 404, "Deep links are off in this app: a session's scan is never written out.")
             return
         if scope["type"] == "http" and scope.get("method") == "POST" and path.rstrip("/") == UPLOAD_ROUTE:
             await self._upload(scope, receive, send)
@@ -138,6 +145,12 @@ def _file_route_target(path: str) -> str | None:
         if path.startswith(prefix):
             return unquote(path[len(prefix):])
     return None
+
+
+def _asks_deep_link(scope: dict) -> bool:
+    """Whether the query string names a deep link (`/?deep_link=`, `/config?deep_link=`)."""
+    query = scope.get("query_string", b"")
+    return b"deep_link" in query and any(name == "deep_link" for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
 
 
 def _is_public(path: str) -> bool:

@@ -490,7 +490,8 @@ class _Handlers:
         with session.lock:
             record = _transcript_record(session, self.settings)
         markdown, as_json = export_markdown(record), _transcript_json(record)
-        return _download_links(markdown, as_json), markdown, as_json
+        return (_download_links(markdown, as_json, bool(record["scan"].get("burned_in_annotation"))), markdown,
+                as_json)
 
 
 def _injection_finding(done: Done, conversation, question: str):

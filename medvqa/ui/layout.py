@@ -23,10 +23,11 @@ from .access import AccessGuard
 from ..pacs import Pacs
 from .handlers import _Handlers
 from .metrics_route import MetricsRoute
+from .tab_binding import TabBinding, TabKeys
 from .page import ZOOM_TOOLBAR, PAGE_CSS, PAGE_JS
 from .remote import _PacsHandlers
 from .session import _close_session, _forget_closed_tabs
-from .uploads import UPLOAD_MAX_AGE_S, UploadFolder
+from .uploads import UPLOAD_MAX_AGE_S, UploadFolder, private_folder_prefix, sweep_abandoned_folders
 from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 
 NOTICE = ("**Research tool — not a diagnosis.** Answers come from a small research model and may be "
@@ -253,14 +254,17 @@ def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860,
            upload_max_age_s: float = UPLOAD_MAX_AGE_S, metrics=None):
     """Serve the app: loopback by default, uploads capped, no run history, telemetry, MCP or SSR.
 
-    Every route sits behind `AccessGuard` (the login wall when `auth` is set); uploads go to the
+    Every route sits behind `AccessGuard` (the login wall when `auth` is set) and `TabBinding` (a tab's
+    session is reached only from the browser that opened it); uploads go to the
     folder named by GRADIO_TEMP_DIR, or to a private one made here, and a sweeper deletes any file
     older than `upload_max_age_s` in it while the app serves (`demo.medvqa_uploads`). With `metrics`
     (a metrics.ServingMetrics) GET /metrics serves them, behind the same wall."""
     uploads = UploadFolder(_upload_folder(), max_age_s=upload_max_age_s)
     demo.medvqa_uploads = uploads
     uploads.start_sweeper(lambda: bool(getattr(demo, "is_running", False)))
-    middleware = [Middleware(AccessGuard, uploads=uploads, login_required=auth is not None)]  # outermost first
+    demo.medvqa_tabs = TabKeys()  # each tab's session keyed by its browser's cookie too (tab_binding.py)
+    middleware = [Middleware(AccessGuard, uploads=uploads, login_required=auth is not None),  # outermost first
+                  Middleware(TabBinding, keys=demo.medvqa_tabs)]
     if metrics is not None:
         middleware.append(Middleware(MetricsRoute, metrics=metrics))
     try:
@@ -279,10 +283,13 @@ def launch(demo: gr.Blocks, *, host: str = "127.0.0.1", port: int | None = 7860,
 def _upload_folder() -> str:
     """Gradio's upload folder for this process: GRADIO_TEMP_DIR when the operator set it (it must then
     be the app's alone: the sweeper deletes what is older than a minute in it), else a private folder
-    (mode 0700) made now and removed at exit, rather than /tmp/gradio shared with other apps."""
+    (mode 0700) made now and removed at exit, rather than /tmp/gradio shared with other apps. The private
+    folder is named after this process, and a later start removes it if this one ended without doing so
+    (`uploads.sweep_abandoned_folders`)."""
     folder = os.environ.get("GRADIO_TEMP_DIR")
     if not folder:
-        folder = tempfile.mkdtemp(prefix="medvqa-uploads-")
+        sweep_abandoned_folders()  # earlier apps' folders, with any upload they were killed holding
+        folder = tempfile.mkdtemp(prefix=private_folder_prefix())
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         os.environ["GRADIO_TEMP_DIR"] = folder  # read by Gradio when the server starts, and by _take_upload
     os.makedirs(folder, exist_ok=True)

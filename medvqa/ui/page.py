@@ -39,6 +39,9 @@ PAGE_CSS = """
 #medvqa-zoom .medvqa-hint { font-size: 0.85em; color: #52525b; }
 .dark #medvqa-zoom .medvqa-hint { color: #d4d4d8; }
 .medvqa-caption { font-size: 0.85em; opacity: 0.8; margin-top: 4px; }
+.medvqa-warning { font-size: 0.9em; margin: 6px 0 0 0; padding: 4px 8px; border-left: 4px solid #b45309;
+  background: #fffbeb; color: #78350f; }
+.dark .medvqa-warning { background: #451a03; color: #fde68a; }
 .medvqa-sources { margin-top: 0.6em; font-size: 0.92em; border-top: 1px solid #ccc; padding-top: 0.4em; }
 .medvqa-sources ol { margin: 0.2em 0 0 0; padding: 0; list-style: none; }
 .medvqa-error { color: #991b1b; }

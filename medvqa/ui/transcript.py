@@ -19,6 +19,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..confidence import confidence_text
+from ..imaging import burned_in
 from ..safe_text import inert, safe_url
 from .render import _escape_model_text
 
@@ -44,10 +45,17 @@ def _transcript_record(session: _Session, settings: Settings) -> dict:
         "profile": settings.profile,
         "scan": {"format": source.source_format, "frames": source.frame_count,
                  "modality": source.safe_meta.get("Modality", ""),
+                 **({"burned_in_annotation": True} if _burned_in(session) else {}),
                  **({"series": [{"series": s.number, "modality": s.modality, "slices": s.frame_count}
                                 for s in session.study.series]} if session.study else {})},
         "turns": [dict(turn) for turn in session.turns],
     }
+
+
+def _burned_in(session: _Session) -> bool:
+    """Whether the scan shown, or any slice of its series, says text is burned into its pixels."""
+    source = session.source  # a Series counts its slices; a file's own tags say it for all its frames
+    return bool(getattr(source, "burned_in_slices", 0)) or burned_in(source.safe_meta)
 
 
 def _transcript_json(record: dict) -> str:
@@ -58,7 +66,9 @@ def export_markdown(record: dict) -> str:
     """The record as a Markdown document a clinician can keep or paste."""
     lines = ["# MedVQA conversation", "",
              f"_{record['notice']}_ Exported {record['exported_at']} (profile `{record['profile']}`). "
-             "No patient data.", "",
+             + ("No patient data from the scan's tags, and no image; but the scan says text is burned into its "
+                "pixels, which often names the patient, and an answer could repeat it: read the answers before "
+                "sharing this." if record["scan"].get("burned_in_annotation") else "No patient data."), "",
              f"Scan: {record['scan']['format'].upper()}"
              + (f", {record['scan']['modality']}" if record['scan']['modality'] else "")
              + (f", {len(record['scan']['series'])} series" if record['scan'].get('series') else
@@ -122,9 +132,12 @@ def _download_link(name: str, mime: str, text: str, label: str) -> str:
     return f'<a download="{name}" href="data:{mime};charset=utf-8;base64,{encoded}">{html.escape(label)}</a>'
 
 
-def _download_links(markdown: str, as_json: str) -> str:
+def _download_links(markdown: str, as_json: str, burned_in_annotation: bool = False) -> str:
     """The two downloads and a line saying what they hold (and do not)."""
+    held = ("no data from the scan's tags, no image; the scan says text is burned into its pixels, which an "
+            "answer could repeat: read the answers before sharing it." if burned_in_annotation
+            else "no patient data, no image.")
     return (f'<p>{_download_link("medvqa-conversation.md", "text/markdown", markdown, "Download Markdown")} · '
             f'{_download_link("medvqa-conversation.json", "application/json", as_json, "Download JSON")}</p>'
             f'<p class="medvqa-caption">The export holds questions, answers, cited passages and windows; '
-            f'no patient data, no image.</p>')
+            f'{held}</p>')

@@ -18,6 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -35,9 +38,69 @@ UPLOAD_MAX_AGE_S = 60.0  # an upload not read by then never will be: the /upload
 SWEEP_INTERVAL_S = 5.0
 RECENTLY_READ_S = 30.0  # how long a read upload's bytes stay in memory for a second tab with the same file
 RECENTLY_READ_MAX_BYTES = 256 * 2**20
+# The private upload folder an app makes for itself (layout._upload_folder) is named after its process,
+# so a later start can tell a folder whose app has ended (killed, or stopped without running its exit
+# handlers) from one still in use, and remove it with whatever upload was waiting in it.
+PRIVATE_FOLDER_PREFIX = "medvqa-uploads-"
+UNNAMED_FOLDER_IDLE_S = 3600.0  # a folder of a release that did not name them: removed after an hour untouched
+_OWNED = re.compile(re.escape(PRIVATE_FOLDER_PREFIX) + r"(\d+)-")
 
 _recently_read: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 _recently_read_lock = threading.Lock()
+
+
+def private_folder_prefix() -> str:
+    """The name prefix of this process's private upload folder: it names the process."""
+    return f"{PRIVATE_FOLDER_PREFIX}{os.getpid()}-"
+
+
+def sweep_abandoned_folders(parent: str | Path | None = None, now: float | None = None,
+                            unnamed_idle_s: float = UNNAMED_FOLDER_IDLE_S) -> int:
+    """Remove the private upload folders (in `parent`, the temporary folder by default) of apps that
+    have ended without removing theirs: a folder named after a process no longer running, or an unnamed
+    one (made before they were named) with nothing touched in it for `unnamed_idle_s`. Only folders of
+    this user; never this process's own. Returns how many were removed (their files' names, which can be
+    a patient's, are not logged)."""
+    parent = Path(parent or tempfile.gettempdir())
+    now = time.time() if now is None else now
+    removed = 0
+    for entry in parent.glob(PRIVATE_FOLDER_PREFIX + "*"):
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            owner = _OWNED.match(entry.name)
+            if owner is not None:
+                pid = int(owner.group(1))
+                if pid == os.getpid() or _running(pid):
+                    continue
+            elif now - _last_touched(entry) < unnamed_idle_s:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += not entry.exists()
+    if removed:
+        log.info("removed %d upload folder(s) left by app processes that have ended", removed)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: not ours to judge
+    return True
+
+
+def _last_touched(folder: Path) -> float:
+    newest = folder.stat().st_mtime
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
 
 
 def _take_upload(payload: Any, max_bytes: int) -> bytes:

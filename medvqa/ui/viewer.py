@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from ..imaging import WINDOW_PRESETS, Scan, ScanSource, Series, Study, Window, in_hounsfield_units
+from ..imaging import (BURNED_IN_NOTE, WINDOW_PRESETS, Scan, ScanSource, Series, Study, Window, burned_in,
+                       in_hounsfield_units)
 
 DISPLAY_MAX_SIDE = 1024  # the viewer shows at most this many pixels a side (the model gets all of them)
 
@@ -66,7 +67,9 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
             f'aria-label="Scan: + and − zoom, 0 shows it whole, the arrow keys move it when zoomed">'
             f'<img id="medvqa-scan" alt="The scan as the model sees it" width="{image.width}" '
             f'height="{image.height}" src="data:image/png;base64,{encoded}"/></div>'
-            f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption></figure>')
+            f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption>'
+            + (f'<p class="medvqa-warning" role="note">⚠ {html.escape(BURNED_IN_NOTE)}</p>' if burned_in(scan.safe_meta)
+               else "") + '</figure>')
 
 
 def _measure_scale(scan: Scan, shown_width: int, shown_height: int) -> str:
