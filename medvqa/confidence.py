@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .answers import normalise
 from .imaging.windowing import is_grey
 
 log = logging.getLogger(__name__)
@@ -442,11 +443,14 @@ def _joined(spans: list[tuple[float, float]], inside, min_count: int) -> list[tu
     return joined
 
 
-def leaning_text(verdict: Verdict, subject: str = "answers like this") -> str:
+def leaning_text(verdict: Verdict, subject: str = "answers like this", spelling: str = "") -> str:
     """The answer shown instead of an answer the model cannot be trusted on (a closed one, or an open one chosen
     among training answers), its first letter raised and the rest as written ("CT" stays "CT"); its held-out
-    figure is of `subject` (held_out_text)."""
-    choice = verdict.choice[:1].upper() + verdict.choice[1:]
+    figure is of `subject` (held_out_text). `spelling`: the leaning as the question or the answer writes it
+    (a closed question's options are scored lower-cased: "ct" is shown "CT", not "Ct"), used when it is
+    the same option."""
+    choice = spelling if spelling and normalise(spelling) == normalise(verdict.choice) else verdict.choice
+    choice = choice[:1].upper() + choice[1:]
     if verdict.held_out is not None:
         return (f"Uncertain — the model cannot tell from this image (it leans to {choice}; "
                 f"{held_out_text(verdict.held_out, subject)}).")

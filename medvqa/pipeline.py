@@ -434,7 +434,7 @@ class Pipeline(ClosedQuestions):
                                                  conversation.image, conversation.digest)
             closed, verdict = self._closed_verdict(conversation, scores, route, presupposed, question)
             # Below the calibrated confidence the app says so, with its leaning, instead of answering.
-            pieces: Iterator[str] = iter([leaning_text(verdict) if verdict.abstained else choice])
+            pieces: Iterator[str] = iter([leaning_text(verdict, spelling=choice) if verdict.abstained else choice])
         elif head_open and head_open["answered"]:
             pieces = iter([head_open["answer"]])  # the answer head's (decoder.open_answerer)
         elif choices is not None:

@@ -38,6 +38,10 @@ def test_kinds_verdicts_and_abstention():
     assert high.kind == CHOICE and high.confidence > 0.8 and not high.abstained
     text = leaning_text(low)
     assert text.startswith("Uncertain — the model cannot tell from this image") and "Yes" in text
+    # Options are scored lower-cased; the leaning is shown as the question spells it ("CT", not "Ct").
+    options = calibration.judge({"ct": -0.5, "mri": -0.6}, min_confidence=0.99)
+    assert "leans to CT;" in leaning_text(options, spelling="CT") or "leans to CT," in leaning_text(options, spelling="CT")
+    assert "leans to Ct" in leaning_text(options, spelling="MRI")  # another option's spelling is not used
     # No calibration: nothing measured, so no confidence and never an abstention.
     bare = Calibration().judge({"yes": -0.5, "no": -0.6}, min_confidence=0.99)
     assert bare.confidence is None and not bare.abstained

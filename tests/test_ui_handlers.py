@@ -411,3 +411,104 @@ def test_stop_marks_its_own_answer_and_says_the_questions_waiting_are_not_asked(
     assert "medvqa-note" in chat[3]["content"] and [turn["stopped"] for turn in session.turns] == [True]
     session.waiting = []
     session.close()
+
+
+def _session_for(handlers, upload_folder, name):
+    import shutil
+
+    folder = upload_folder / name
+    folder.mkdir()
+    *_, session = handlers.upload({"path": str(shutil.copy(dicom_file("CT_small.dcm"), folder / "scan.dcm"))}, None)
+    return session
+
+
+def test_an_answer_stopped_or_cleared_ends_without_painting_over_what_ended_it(ui_pipeline, upload_folder):
+    """Gradio sends an event's last output again when it completes, after whatever another event showed
+    meanwhile: an answer's last output is the chat as it stands, and once a Stop (or New conversation,
+    or a new scan) has moved on, no change at all, so the "(stopped)" mark or the emptied chat stays."""
+    import gradio as gr
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    session = _session_for(handlers, upload_folder, "stop-last-output")
+    updates = list(handlers.ask("Is there a pleural effusion?", session))
+    assert updates[-1][0] == updates[-2][0] and "medvqa-sources" in last_reply(updates[-1][0])
+
+    for end in (handlers.stop, handlers.new_conversation):
+        answer = handlers.ask("Describe the image.", session)
+        next(answer), next(answer)  # shown, and its turn taken
+        ended = end(session)
+        rest = list(answer)
+        assert rest and all(isinstance(part, type(gr.skip())) for update in rest for part in update), end
+        if end is handlers.stop:
+            assert ended[-1]["content"].endswith("_(stopped)_")
+        assert not session.in_flight
+    session.close()
+
+
+def test_a_question_asked_before_a_stop_or_clear_that_arrived_first_is_dropped(ui_pipeline, upload_folder):
+    """The page takes a question out of the box and sends it on to be answered (layout._take_question);
+    a Stop, New conversation or new scan can reach the app between the two. The question goes with
+    what it was asked in: nothing is added to the chat that replaced it."""
+    import gradio as gr
+
+    from medvqa.ui.handlers import _Handlers, pack_asked
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    session = _session_for(handlers, upload_folder, "asked-before")
+    for end in (handlers.stop, handlers.new_conversation):
+        packed = pack_asked("Is there a pleural effusion?", session)
+        before = list(session.messages)
+        end(session)
+        after = list(session.messages)
+        updates = list(handlers.ask(packed, session))
+        assert updates == [(gr.skip(), gr.skip())] or all(
+            isinstance(part, type(gr.skip())) for update in updates for part in update)
+        assert session.messages == after and (end is handlers.stop or not after), before
+    # Asked in the generation it arrives in, it is answered, with the words as typed.
+    updates = list(handlers.ask(pack_asked("Is there a pleural effusion?", session), session))
+    assert session.turns[-1]["question"] == "Is there a pleural effusion?"
+    assert "asked in" not in str(updates[-1][0])
+    # A script's /ask call (no packing) is answered as before.
+    list(handlers.ask("Is it a CT?", session))
+    assert session.turns[-1]["question"] == "Is it a CT?"
+    session.close()
+
+
+def test_stop_waits_for_the_stopped_answers_last_snapshot_to_leave(ui_pipeline, upload_folder):
+    """A snapshot the answer made just before Stop reaches the page before Stop's chat (session.settle)."""
+    import threading
+    import time
+
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    session = _session_for(handlers, upload_folder, "settle")
+    with session.lock:
+        session.sending(session.generation)  # made, not yet seen sent
+    generation, returned = session.generation, []
+    stopping = threading.Thread(target=lambda: returned.append(handlers.stop(session)))
+    stopping.start()
+    time.sleep(0.3)
+    assert not returned, "Stop returned before the snapshot left"
+    session.sent(generation)
+    stopping.join(5)
+    assert returned and not session.in_flight
+    session.close()
+
+
+def test_an_emptied_box_shows_the_value_again_and_a_late_series_pick_says_nothing(ui_pipeline, upload_folder):
+    from medvqa.ui.handlers import _Handlers
+
+    handlers = _Handlers(ui_pipeline, ui_pipeline.settings, max_upload_mb=MAX_UPLOAD_MB)
+    session = _session_for(handlers, upload_folder, "emptied")
+    chat_before = list(session.messages)
+    for out in (handlers.set_frame(None, session), handlers.set_frame("", session),
+                handlers.set_window("", 400, 1, session)):
+        viewer, preset, center, width, frame, meta, chat, same = out
+        assert frame["value"] == session.scan.frame_index + 1 and same is session
+        assert not isinstance(chat, list) and session.messages == chat_before  # the chat is not touched
+    *_, chat, _ = handlers.set_series(2, session)  # a single file: the picker is hidden
+    assert chat == chat_before
+    session.close()

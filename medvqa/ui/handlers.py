@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from typing import Iterator
 
@@ -85,6 +86,7 @@ class _Handlers:
             with session.lock:
                 session.generation += 1
                 closed_turns = len(session.turns)
+                session.settle()  # its answer's last update reaches the page before the new scan's chat
             session.close()
         session = _Session(self.pipeline, source, scan, self.pipeline.new_conversation(scan), study=study,
                            budget=self.budget)
@@ -106,8 +108,12 @@ class _Handlers:
     def set_series(self, number: float, session: _Session | None):
         """Show another series of the study, at its middle slice, in the window chosen so far (a
         preset or the user's; else the series' own)."""
-        if session is None or session.study is None:
+        if session is None:
             return self.viewer_unchanged(session, _error_message("Please upload a series first."))
+        if session.study is None:
+            # The picker is hidden with a single file: a late event from it (closed with Escape just before
+            # the file opened) changes nothing and says nothing.
+            return self.viewer_unchanged(session)
         try:
             number = int(number)
         except (TypeError, ValueError):
@@ -141,6 +147,8 @@ class _Handlers:
         unchecked, so that a typed value out of range never puts the page in an error state)."""
         if session is None:
             return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
+        if _emptied(center) or _emptied(width):
+            return self._controls_as_shown(session)  # a box emptied and left: it shows the window again
         try:
             center, width = float(center), float(width)
             if not (math.isfinite(center) and math.isfinite(width)):
@@ -165,6 +173,8 @@ class _Handlers:
         number typed beyond the first or last is taken as that one."""
         if session is None:
             return self.viewer_unchanged(None, _error_message("Please upload a scan first."))
+        if _emptied(frame):
+            return self._controls_as_shown(session)  # the box emptied and left: it shows the frame again
         try:
             frame = float(frame)
             if not math.isfinite(frame):
@@ -177,6 +187,16 @@ class _Handlers:
         within = min(max(round(frame), 1), session.source.frame_count)
         # As for the window: a frame as the user set it is not sent back, a clamped one is.
         return self._render(session, window, within, kept={"frame"} if within == frame else set())
+
+    @staticmethod
+    def _controls_as_shown(session: _Session):
+        """The viewer as it is, its window and frame boxes set back to what is shown."""
+        window, scan = session.scan.window, session.scan
+        offered = _window_controls(session.source, scan)
+        center = gr.update(value=offered.rounded(window.center)) if window is not None else gr.skip()
+        width = gr.update(value=offered.rounded(window.width)) if window is not None else gr.skip()
+        return (gr.skip(), gr.skip(), center, width, gr.update(value=scan.frame_index + 1), gr.skip(), gr.skip(),
+                session)
 
     def _render(self, session: _Session | None, window, frame, kept: frozenset | set = frozenset()):
         """Render the session's scan anew; the model sees exactly what is shown from then on."""
@@ -293,14 +313,20 @@ class _Handlers:
         answered when the ones before it are (in the order asked), never dropped. The question box is
         left as the user has it (the page empties it as the question is sent), except that a refused
         question is given back to it."""
-        question = visible(question or "").strip()  # no bidirectional override reaches the model or the page
+        question, asked_in = _unpack_asked(question or "")
+        question = visible(question).strip()  # no bidirectional override reaches the model or the page
         if session is None:
             yield [_error_message("Please upload a scan first, then ask about it.")], question
             return
         with session.lock:  # never held across a yield: a cancelled generator is not resumed
             now, (last, asked_at, last_answer) = time.monotonic(), session.last_asked
             pending = last_answer is not None and (last_answer is session.current or last_answer in session.waiting)
-            if now - asked_at < DOUBLE_CLICK_S and (not question or (question == last and pending)):
+            if asked_in is not None and asked_in != (session.token, session.generation):
+                # Asked on the page before a Stop, New conversation or new scan that reached the app
+                # first (the page sends the question on after taking it out of the box): it went with
+                # what it was asked in, and the chat, already redrawn without it, is left alone.
+                snapshot, answer, question = gr.skip(), None, gr.skip()
+            elif now - asked_at < DOUBLE_CLICK_S and (not question or (question == last and pending)):
                 # The second click of a double click: the page sent the question again while it is being
                 # answered (or the box it had just emptied); it is asked once.
                 snapshot, answer, question = _copy(session.messages), None, gr.skip()
@@ -318,42 +344,74 @@ class _Handlers:
                 session.messages.append(reply)
                 answer.reply = reply
                 snapshot = _copy(session.messages)
+                session.sending(generation)
         if answer is None:
             yield snapshot, question
             return
+        # Each chat snapshot is counted from when it is made until the generator resumes after yielding
+        # it (session.sending / sent): Stop, New conversation and a new scan wait for those of the
+        # generation they end (session.settle), so that a snapshot made just before never reaches the
+        # page after what they show.
+        counted_last = False
         try:
-            yield snapshot, gr.skip()
+            try:
+                yield snapshot, gr.skip()
+            finally:
+                session.sent(generation)
             turn = None
             while turn is None:  # this question's turn: the previous answer done, the questions before it taken
                 with session.lock:
                     if session.generation != generation:  # stopped, new conversation or new scan meanwhile
-                        reply["content"] = _note(_NOT_ASKED)
-                        turn = False
+                        turn = False  # (what ended it said "Not asked" under it, or cleared the chat)
                     elif session.current is None and session.waiting[0] is answer:
                         session.waiting.pop(0)
                         session.current, answer.scan = answer, session.scan
                         reply["content"] = _status("Searching the literature…")
                         turn = True
-                    snapshot = _copy(session.messages)
+                        snapshot = _copy(session.messages)
+                        session.sending(generation)
                 if turn is None:
                     time.sleep(0.05)
-            yield snapshot, gr.skip()
-            if not turn:
-                return
-            with self.budget.using(session):  # the model may need the pixels again: never dropped meanwhile
-                for update in self._stream(session, answer, generation, reply):
-                    # A question the pipeline refused (too long for the model) goes back to the box.
-                    yield update, answer.question if answer.refused else gr.skip()
+            if turn:
+                try:
+                    yield snapshot, gr.skip()
+                finally:
+                    session.sent(generation)
+                with self.budget.using(session):  # the model may need the pixels again: never dropped meanwhile
+                    for update in self._stream(session, answer, generation, reply):
+                        try:
+                            # A question the pipeline refused (too long for the model) goes back to the box.
+                            yield update, answer.question if answer.refused else gr.skip()
+                        finally:
+                            session.sent(generation)  # _stream counted it (sending) as it made it
+            # Gradio sends an event's last output again when the event completes, after whatever other
+            # event has shown meanwhile: the last output is the chat as it is now, counted until the
+            # generator ends (the finally below), or, once a Stop, New conversation or new scan has moved
+            # the generation on, no change at all, so that what they showed stays.
+            with session.lock:
+                if session.generation == generation:
+                    last = _copy(session.messages)
+                    session.sending(generation)
+                else:
+                    last = None
+            if last is None:
+                yield gr.skip(), gr.skip()
+            else:
+                counted_last = True
+                yield last, answer.question if answer.refused else gr.skip()
         finally:
             with session.lock:
                 if answer in session.waiting:
                     session.waiting.remove(answer)
                 if session.generation == generation and session.current is answer:
                     session.current = None
+            if counted_last:
+                session.sent(generation)
 
     def _stream(self, session: _Session, answer: _Answer, generation: int, reply: dict) -> Iterator[list[dict]]:
         """The chat after each event of the pipeline's answer; ends quietly once the answer was
-        stopped or replaced (`generation` moved on)."""
+        stopped or replaced (`generation` moved on). Each snapshot is counted (session.sending) as it is
+        made; the caller counts it sent."""
         conversation = session.conversation
         events = self.pipeline.ask(conversation, answer.question, safe_meta=session.scan.safe_meta)
         retrieval_failed = False
@@ -380,6 +438,7 @@ class _Handlers:
                     reply["content"] = (_render_answer(answer, final=False) + "\n\n" if answer.text else "") + \
                         _error_html(text)
                     snapshot = _copy(session.messages)
+                    session.sending(generation)
                 yield snapshot
                 return
             if event is None:
@@ -412,6 +471,7 @@ class _Handlers:
                     # on to warm the next turn in this generator.
                     session.current = None
                 snapshot = _copy(session.messages)
+                session.sending(generation)
             yield snapshot
 
     def _count_error(self, kind: str) -> None:
@@ -423,13 +483,16 @@ class _Handlers:
         if session is None:
             return []
         with session.lock:
+            # Always a new generation: a question taken from the box just before Stop, whose answer had not
+            # started, is not asked either (ask drops it).
+            session.generation += 1
             if session.current is not None:
-                session.generation += 1
                 session.turns.append(session.current.record(stopped=True))
                 session.cleared = None  # a stopped turn is the new conversation's: the cleared one is let go
-                for reply, content in _ended(session):  # said at once: their events end so (the generation moved on)
-                    reply["content"] = content
-                session.current = None
+            for reply, content in _ended(session):  # said at once: their events end so (the generation moved on)
+                reply["content"] = content
+            session.current = None
+            session.settle()  # the stopped answer's last update reaches the page before this
             return _copy(session.messages)
 
     def new_conversation(self, session: _Session | None):
@@ -450,6 +513,7 @@ class _Handlers:
             session.turns = []
             old = session.conversation
             session.conversation = self.pipeline.new_conversation(session.scan)
+            session.settle()  # the ended answer's last update reaches the page before the empty chat
         self.pipeline.end_conversation(old)
         return [], "", ""
 
@@ -511,6 +575,30 @@ def _restorable(session: _Session | None) -> tuple | None:
     if session is None or session.current is not None or session.waiting:
         return None
     return session.cleared
+
+
+def _emptied(value) -> bool:
+    """A number box the user emptied: the page sends nothing, or an empty text."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+_ASKED_IN = re.compile(r"^⟦asked in ([0-9a-f]{1,32}):(\d{1,12})⟧(.*)$", re.DOTALL)
+
+
+def pack_asked(text: str, session: _Session | None) -> str:
+    """The question as the page passes it from the box to the answer (layout._take_question): with the
+    session and generation it was asked in, so that `ask` can tell it was asked before a Stop, New
+    conversation or new scan that reached the app first."""
+    if session is None or not text:
+        return text
+    with session.lock:
+        return f"⟦asked in {session.token}:{session.generation}⟧{text}"
+
+
+def _unpack_asked(text: str) -> tuple[str, tuple[str, int] | None]:
+    """(the question, (session token, generation) it was asked in, or None: a script's /ask call)."""
+    match = _ASKED_IN.match(text)
+    return (match.group(3), (match.group(1), int(match.group(2)))) if match else (text, None)
 
 
 def _ended(session: _Session) -> list[tuple[dict, str]]:

@@ -21,12 +21,12 @@ from ..config import Settings
 from ..pipeline import Pipeline
 from .access import AccessGuard
 from ..pacs import Pacs
-from .handlers import _Handlers
+from .handlers import _Handlers, pack_asked
 from .metrics_route import MetricsRoute
 from .tab_binding import TabBinding, TabKeys
 from .page import ZOOM_TOOLBAR, PAGE_CSS, PAGE_JS
 from .remote import _PacsHandlers
-from .session import _close_session, _forget_closed_tabs
+from .session import _close_session, _forget_closed_tabs, _Session
 from .uploads import UPLOAD_MAX_AGE_S, UploadFolder, private_folder_prefix, sweep_abandoned_folders
 from .viewer import _EMPTY_VIEWER, _PRESET_LABELS
 
@@ -191,7 +191,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
         # clears what is typed there meanwhile. Both steps take every click ("multiple"): a question
         # asked while the previous answer finishes is queued by the handler, never dropped.
         asked = gr.Textbox(visible=False, elem_id="medvqa-asked")
-        taking = gr.on([ask_button.click, question.submit], _take_question, [question],
+        taking = gr.on([ask_button.click, question.submit], _take_question, [question, session],
                        [question, asked, restore_button],
                        queue=False, api_visibility="private", show_progress="hidden", trigger_mode="multiple")
         answering = taking.then(handlers.ask, [asked, session], [chatbot, question], api_name="ask",
@@ -226,10 +226,11 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
     return demo
 
 
-def _take_question(text: str) -> tuple:
-    """The question box emptied, its text passed on to the answer (see build_app); a question asked
-    lets a cleared conversation go, so its Restore button goes too."""
-    return "", text or "", gr.update(visible=False) if (text or "").strip() else gr.skip()
+def _take_question(text: str, session: _Session | None) -> tuple:
+    """The question box emptied, its text passed on to the answer (see build_app) with the session and
+    generation it was asked in (handlers.pack_asked); a question asked lets a cleared conversation go,
+    so its Restore button goes too."""
+    return "", pack_asked(text or "", session), gr.update(visible=False) if (text or "").strip() else gr.skip()
 
 
 def _pacs_panel() -> tuple:

@@ -8,7 +8,9 @@ the conversation's cached prompt.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,8 @@ from ..safe_text import visible
 from .transcript import _citation
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 1.0  # how long Stop, New conversation or a new scan wait for a stopped answer's last update to leave
 
 
 @dataclass
@@ -49,7 +53,40 @@ class _Session:
     # The last question asked, when (time.monotonic) and its _Answer: a double click asks it once (handlers.ask).
     last_asked: tuple = ("", float("-inf"), None)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Random, for the page's question box to say which session and generation a question was asked in
+    # (handlers.ask drops a question asked before a Stop, New conversation or new scan it reaches after).
+    token: str = field(default_factory=lambda: secrets.token_hex(6))
+    # Chat snapshots an answer has made and not yet seen sent, by generation (`sending` / `sent`).
+    in_flight: Counter = field(default_factory=Counter, repr=False)
+    _settled: threading.Condition = field(init=False, repr=False)  # on `lock`: `sent` notifies, `settle` waits
+
+    def __post_init__(self) -> None:
+        self._settled = threading.Condition(self.lock)
     budget: Any = field(default=None, repr=False)  # the app's DecodedBudget (budget.py), which may drop the pixels
+
+    def sending(self, generation: int) -> None:
+        """Under the lock: an answer of `generation` made a chat snapshot it is about to yield."""
+        self.in_flight[generation] += 1
+
+    def sent(self, generation: int) -> None:
+        """The answer's generator resumed after yielding that snapshot (Gradio resumes it only once it has
+        queued the snapshot for the page), or was closed."""
+        with self.lock:
+            self.in_flight[generation] -= 1
+            if self.in_flight[generation] <= 0:
+                del self.in_flight[generation]
+            self._settled.notify_all()
+
+    def settle(self, timeout_s: float = SETTLE_S) -> bool:
+        """Under the lock, after the generation moved on (Stop, New conversation, a new scan): wait until no
+        snapshot of an earlier generation is still on its way to the page, so that what the caller returns
+        reaches the page after it rather than being painted over by it. At most `timeout_s` (a generator
+        Gradio cancelled between queueing a snapshot and resuming it is only closed later); False then."""
+        settled = self._settled.wait_for(lambda: not any(count > 0 for generation, count in self.in_flight.items()
+                                                     if generation != self.generation), timeout=timeout_s)
+        if not settled:
+            log.info("a stopped answer's last chat update was not seen sent within %.1f s", timeout_s)
+        return settled
 
     def look_at(self, scan: Scan) -> Conversation:
         """Show `scan` and let the model see exactly it from the next question on. The conversation
