@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of a file: a DICOMweb endpoint; the Study Instance UID or accession number is "
                            "read from standard input (so that it stays out of the shell history and process list)")
     scan.add_argument("--json", action="store_true",
-                      help='print {"series": [{"modality", "slices", "positions_mm", "warnings"}, ...], "notes"}')
+                      help='print {"series": [{"modality", "slices", "positions_mm", "warnings", "burned_in_slices"}, '
+                           '...], "notes"}')
 
     prompt = commands.add_parser("prompt", help="print the prompt text the decoder would get (the image as "
                                                 "<image>; no model is loaded for formats that need no tokenizer)")

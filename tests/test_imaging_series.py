@@ -250,7 +250,7 @@ def test_scan_json_lists_series_in_display_order(tmp_path, capsys):
     assert main(["scan", str(archive), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == {"series": [{"modality": "CT", "slices": 40, "positions_mm": [-50 + 2.5 * i for i in range(40)],
-                                   "warnings": []}], "notes": []}
+                                   "warnings": [], "burned_in_slices": 0}], "notes": []}
 
 
 def test_ask_slice_k_shows_the_model_that_slice(tmp_path, capsys, monkeypatch, tiny_pipeline):
