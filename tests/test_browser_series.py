@@ -219,6 +219,40 @@ def test_zoom_follows_a_region_through_the_slices_and_the_next_scan_is_whole(pag
     assert state["label"] == "100 %" and not state["zoomed"] and round(state["ratio"], 3) == 1
 
 
+def test_invert_is_for_the_eye_kept_through_the_slices_and_the_next_scan_is_plain(page, tmp_path):  # noqa: F811
+    from tests.test_ui import dicom_file
+
+    def inverted() -> tuple[bool, str, str]:
+        return tuple(page.evaluate("""() => {
+          const img = document.querySelector('#medvqa-scan');
+          return [img.classList.contains('medvqa-inverted'), getComputedStyle(img).filter,
+                  document.querySelector('#medvqa-zoom [data-invert]').getAttribute('aria-pressed')];
+        }"""))
+
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n:03d}.dcm": f for n, f in enumerate(ct_series(12))}))
+    page.set_input_files("#medvqa-upload input[type=file]", str(archive))
+    wait_for_caption(page, "slice 7 of 12")
+    source = page.get_attribute("#medvqa-scan", "src")
+    assert inverted() == (False, "none", "false")
+    page.click("#medvqa-zoom [data-invert]")
+    assert inverted() == (True, "invert(1)", "true")
+    assert page.get_attribute("#medvqa-scan", "src") == source  # the same image: the model's is not touched
+    page.hover("#medvqa-scan")
+    page.mouse.wheel(0, 100)
+    wait_for_caption(page, "slice 8 of 12")
+    page.wait_for_timeout(200)
+    assert inverted()[0], "the next slice is shown inverted too"
+    page.focus("#medvqa-viewer .medvqa-frame")
+    page.keyboard.press("i")
+    assert inverted() == (False, "none", "false")
+    page.keyboard.press("i")
+    page.set_input_files("#medvqa-upload input[type=file]", dicom_file("CT_small.dcm"))
+    wait_for_caption(page, "DICOM · 128×128 px")
+    page.wait_for_timeout(200)
+    assert inverted() == (False, "none", "false"), "another scan is shown as it is"
+
+
 def test_measuring_a_distance_in_mm_and_in_pixels(page, tmp_path):  # noqa: F811
     from PIL import Image
 

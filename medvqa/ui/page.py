@@ -25,6 +25,7 @@ PAGE_CSS = """
 #medvqa-zoom output.medvqa-length:empty { min-width: 0; }
 #medvqa-zoom [aria-pressed=true] { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
 .medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
+#medvqa-scan.medvqa-inverted { filter: invert(1); }
 .medvqa-frame.medvqa-panning { cursor: grabbing; }
 .medvqa-frame:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
 #medvqa-zoom-bar { margin-top: calc(-1 * var(--layout-gap, 12px) + 4px); }
@@ -70,18 +71,20 @@ PAGE_CSS = """
 
 # The viewer's zoom, measuring and pixel-value buttons (their handlers are in PAGE_JS; shown once there is a scan).
 ZOOM_TOOLBAR = (
-    '<div id="medvqa-zoom" role="group" aria-label="Zoom, measure and pixel value (the model sees the whole scan)" '
-    'hidden>'
+    '<div id="medvqa-zoom" role="group" aria-label="Zoom, invert, measure and pixel value (for the eye only: the '
+    'model sees the whole scan as it is)" hidden>'
     '<button type="button" data-zoom="out" aria-label="Zoom out" title="Zoom out (−)">−</button>'
     '<output class="medvqa-level" aria-live="polite" aria-label="Zoom level">100 %</output>'
     '<button type="button" data-zoom="in" aria-label="Zoom in" title="Zoom in (+)">+</button>'
     '<button type="button" data-zoom="fit" title="Whole scan (0)">Fit</button>'
+    '<button type="button" data-invert aria-pressed="false" '
+    'title="Invert the grey levels, for the eye only (i)">Invert</button>'
     '<button type="button" data-tool="measure" aria-pressed="false" '
     'title="Measure a distance: drag across the scan (Esc ends)">Measure</button>'
     '<output class="medvqa-length" aria-live="polite" aria-label="Length measured"></output>'
     '<button type="button" data-tool="probe" aria-pressed="false" '
     'title="Pixel value: click a point of the scan (Esc ends)">Value</button>'
-    '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan.</span></div>')
+    '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan; i inverts.</span></div>')
 
 # Run when the page loads.
 # - A slider's number box reports its value when it loses focus (Gradio's "release"): Enter there applies
@@ -93,7 +96,8 @@ ZOOM_TOOLBAR = (
 #   is taller than the chat, to the answer's first line, which holds the answer or "Uncertain" (its sources
 #   follow); Gradio's own scroll stops once the view is off the end, so the page keeps scrolling itself.
 # - The mouse wheel over the scan scrolls a series' slices; a drag on it sets the window.
-# - The scan can be zoomed (for the eye only: the model sees the whole scan) and moved while zoomed.
+# - The scan can be zoomed and its grey levels inverted (for the eye only: the model sees the whole scan as it
+#   is) and moved while zoomed.
 # - "Skip to the question" (the page's first link, shown on focus) puts the focus in the question box.
 # - Gradio's accordions say whether they are open (aria-expanded, from the "open" class Gradio sets), and
 #   their ▼ sign is not read out.
@@ -269,7 +273,8 @@ PAGE_JS = """
   // focus on the scan or the buttons) about the middle. Kept across the frames and windows of one file or
   // series (the figure's data-view) so a region can be followed through the slices; the next scan is shown whole.
   const ZOOMS = [1, 1.25, 1.5, 2, 3, 4, 6, 8];
-  const zoom = {view: null, scale: 1, x: 0.5, y: 0.5, img: null};
+  // `inverted`: the scan's grey levels shown inverted (a CSS filter, for the eye only), kept like the zoom.
+  const zoom = {view: null, scale: 1, x: 0.5, y: 0.5, img: null, inverted: false};
   const zoomed = () => zoom.scale > 1;  // (zoomTo keeps it at 1 or above 1.01)
   // The zoomed scan's width: its place (x, y) is read and set against this same number, so that reading it
   // back from where it was put gives it again, slice after slice.
@@ -287,7 +292,8 @@ PAGE_JS = """
     zoom.img = img;
     if (!img) return;
     const view = img.closest("[data-view]")?.dataset.view ?? "";
-    if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5});
+    if (view !== zoom.view) Object.assign(zoom, {view, scale: 1, x: 0.5, y: 0.5, inverted: false});
+    img.classList.toggle("medvqa-inverted", zoom.inverted);
     if (ruler && ruler.key !== frameKey(img)) ruler = null;  // a line belongs to the frame it was drawn on
     if (marker && marker.key !== frameKey(img)) marker = null;
     frameOf(img).classList.toggle("medvqa-measuring", measuring || probing);
@@ -298,6 +304,7 @@ PAGE_JS = """
       bar.querySelector("[data-zoom=out]").disabled = !zoomed();
       bar.querySelector("[data-zoom=fit]").disabled = !zoomed();
       bar.querySelector("[data-zoom=in]").disabled = zoom.scale >= ZOOMS[ZOOMS.length - 1];
+      bar.querySelector("[data-invert]").setAttribute("aria-pressed", String(zoom.inverted));
     }
     img.dataset.placed = placed();
     frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed (its label, in viewer.py)
@@ -418,7 +425,11 @@ PAGE_JS = """
     const region = document.querySelector("#medvqa-probe");
     if (region && !region.hasAttribute("aria-live")) region.setAttribute("aria-live", "polite");
   };
-  const placed = () => `${zoom.view}:${zoom.scale}`;
+  const placed = () => `${zoom.view}:${zoom.scale}:${zoom.inverted}`;
+  const invert = () => {
+    zoom.inverted = !zoom.inverted;
+    placeZoom();
+  };
   const zoomTo = (scale, px, py) => {  // to `scale`, the point under (px, py) of the frame staying there
     const img = zoom.img;
     if (!img) return;
@@ -441,6 +452,7 @@ PAGE_JS = """
     const button = event.target.closest && event.target.closest("#medvqa-zoom button");
     if (!button) return;
     if (button.dataset.tool) useTool(button.getAttribute("aria-pressed") === "true" ? null : button.dataset.tool);
+    else if (button.hasAttribute("data-invert")) invert();
     else if (button.dataset.zoom === "fit") zoomTo(1);
     else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
   });
@@ -451,10 +463,11 @@ PAGE_JS = """
     }
     if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
         || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
-    const key = {"+": 1, "=": 1, "-": -1, "0": 0}[event.key];
+    const key = {"+": 1, "=": 1, "-": -1, "0": 0, "i": "invert", "I": "invert"}[event.key];
     if (key === undefined) return;
     event.preventDefault();
-    if (key === 0) zoomTo(1);
+    if (key === "invert") invert();
+    else if (key === 0) zoomTo(1);
     else zoomStep(key);
   });
   document.addEventListener("scroll", (event) => {  // where the reader moved the zoomed scan, kept for the next slice
