@@ -253,6 +253,37 @@ def test_invert_is_for_the_eye_kept_through_the_slices_and_the_next_scan_is_plai
     assert inverted() == (False, "none", "false"), "another scan is shown as it is"
 
 
+def test_play_steps_through_the_slices_and_round_again_until_paused(page, tmp_path):  # noqa: F811
+    from tests.test_ui import dicom_file
+
+    play = page.locator("#medvqa-zoom [data-play]")
+    page.set_input_files("#medvqa-upload input[type=file]", dicom_file("CT_small.dcm"))
+    wait_for_caption(page, "DICOM · 128×128 px")
+    assert play.is_hidden()  # one frame: nothing to play
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(zip_bytes({f"{n:03d}.dcm": f for n, f in enumerate(ct_series(6))}))
+    page.set_input_files("#medvqa-upload input[type=file]", str(archive))
+    wait_for_caption(page, "slice 4 of 6")
+    play.wait_for(state="visible")
+    play.click()
+    assert play.get_attribute("aria-pressed") == "true" and play.inner_text() == "Pause"
+    for n in (5, 6, 1, 2):  # on, and round from the last slice to the first
+        wait_for_caption(page, f"slice {n} of 6")
+    play.click()
+    assert play.get_attribute("aria-pressed") == "false" and play.inner_text() == "Play"
+    page.wait_for_timeout(600)
+    held = page.inner_text("#medvqa-viewer .medvqa-caption")
+    page.wait_for_timeout(600)
+    assert page.inner_text("#medvqa-viewer .medvqa-caption") == held, "it stopped"
+    # The p key plays too, and the wheel over the scan takes the slices back in hand.
+    page.focus("#medvqa-viewer .medvqa-frame")
+    page.keyboard.press("p")
+    assert play.get_attribute("aria-pressed") == "true"
+    page.hover("#medvqa-scan")
+    page.mouse.wheel(0, 100)
+    assert play.get_attribute("aria-pressed") == "false"
+
+
 def test_measuring_a_distance_in_mm_and_in_pixels(page, tmp_path):  # noqa: F811
     from PIL import Image
 

@@ -79,12 +79,15 @@ ZOOM_TOOLBAR = (
     '<button type="button" data-zoom="fit" title="Whole scan (0)">Fit</button>'
     '<button type="button" data-invert aria-pressed="false" '
     'title="Invert the grey levels, for the eye only (i)">Invert</button>'
+    '<button type="button" data-play aria-pressed="false" hidden '
+    'title="Play the frames or slices in turn, from the one shown, and round again (p)">Play</button>'
     '<button type="button" data-tool="measure" aria-pressed="false" '
     'title="Measure a distance: drag across the scan (Esc ends)">Measure</button>'
     '<output class="medvqa-length" aria-live="polite" aria-label="Length measured"></output>'
     '<button type="button" data-tool="probe" aria-pressed="false" '
     'title="Pixel value: click a point of the scan (Esc ends)">Value</button>'
-    '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan; i inverts.</span></div>')
+    '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan; i inverts; '
+    'p plays the frames.</span></div>')
 
 # Run when the page loads.
 # - A slider's number box reports its value when it loses focus (Gradio's "release"): Enter there applies
@@ -139,6 +142,7 @@ PAGE_JS = """
       return;
     }
     if (!range || range.offsetParent === null || event.ctrlKey || !event.deltaY) return;
+    stopPlaying();  // the reader takes the slices in hand
     wheeled += event.deltaMode === 0 ? event.deltaY : event.deltaY * 40;
     const step = Math.sign(wheeled);
     const value = Math.min(Number(range.max), Math.max(Number(range.min), Number(range.value) + step));
@@ -305,6 +309,7 @@ PAGE_JS = """
       bar.querySelector("[data-zoom=fit]").disabled = !zoomed();
       bar.querySelector("[data-zoom=in]").disabled = zoom.scale >= ZOOMS[ZOOMS.length - 1];
       bar.querySelector("[data-invert]").setAttribute("aria-pressed", String(zoom.inverted));
+      showPlaying();
     }
     img.dataset.placed = placed();
     frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed (its label, in viewer.py)
@@ -430,6 +435,55 @@ PAGE_JS = """
     zoom.inverted = !zoom.inverted;
     placeZoom();
   };
+  // Play: the frame slider steps on by itself, PLAY_FPS a second at most, round from the last frame to the
+  // first; each step waits for the frame asked to be shown (or PLAY_WAIT_MS), so a slow answer never builds a
+  // backlog. It stops with Pause (or p), the wheel over the scan, another scan, or a frame slider gone.
+  const PLAY_FPS = 8, PLAY_WAIT_MS = 2000;
+  let playing = null;  // {view, asked, since, timer}
+  const frameRange = () => {
+    const range = document.querySelector("#medvqa-frame input[type=range]");
+    return range && range.offsetParent !== null && Number(range.max) > Number(range.min) ? range : null;
+  };
+  const showPlaying = () => {
+    const button = document.querySelector("#medvqa-zoom [data-play]");
+    if (!button) return;
+    // (set only when changed: the page's observers see every change, and this runs from one of them)
+    if (button.hidden !== !frameRange()) button.hidden = !frameRange();
+    if (button.getAttribute("aria-pressed") !== String(playing !== null)) {
+      button.setAttribute("aria-pressed", String(playing !== null));
+    }
+    if (button.textContent !== (playing ? "Pause" : "Play")) button.textContent = playing ? "Pause" : "Play";
+  };
+  const stopPlaying = () => {
+    if (!playing) return;
+    clearTimeout(playing.timer);
+    playing = null;
+    showPlaying();
+  };
+  const playStep = () => {
+    const range = frameRange(), img = document.querySelector("#medvqa-scan");
+    const view = img?.closest("[data-view]")?.dataset.view;
+    if (!playing || !range || !img || view !== playing.view) return stopPlaying();
+    const shown = Number(img.closest("[data-frame]")?.dataset.frame ?? -1) + 1;
+    const waited = performance.now() - playing.since;
+    if (playing.asked !== null && shown !== playing.asked && waited < PLAY_WAIT_MS) {
+      playing.timer = setTimeout(playStep, 25);  // the frame asked is not shown yet
+      return;
+    }
+    const next = Number(range.value) >= Number(range.max) ? Number(range.min) : Number(range.value) + 1;
+    range.value = String(next);
+    range.dispatchEvent(new Event("input", {bubbles: true}));
+    Object.assign(playing, {asked: next, since: performance.now()});
+    playing.timer = setTimeout(playStep, 1000 / PLAY_FPS);
+  };
+  const togglePlaying = () => {
+    if (playing) return stopPlaying();
+    const img = document.querySelector("#medvqa-scan");
+    if (!frameRange() || !img) return;
+    playing = {view: img.closest("[data-view]")?.dataset.view, asked: null, since: performance.now(), timer: null};
+    showPlaying();
+    playStep();
+  };
   const zoomTo = (scale, px, py) => {  // to `scale`, the point under (px, py) of the frame staying there
     const img = zoom.img;
     if (!img) return;
@@ -453,6 +507,7 @@ PAGE_JS = """
     if (!button) return;
     if (button.dataset.tool) useTool(button.getAttribute("aria-pressed") === "true" ? null : button.dataset.tool);
     else if (button.hasAttribute("data-invert")) invert();
+    else if (button.hasAttribute("data-play")) togglePlaying();
     else if (button.dataset.zoom === "fit") zoomTo(1);
     else zoomStep(button.dataset.zoom === "in" ? 1 : -1);
   });
@@ -463,10 +518,11 @@ PAGE_JS = """
     }
     if (event.ctrlKey || event.metaKey || event.altKey || !event.target.closest
         || !event.target.closest("#medvqa-viewer .medvqa-frame, #medvqa-zoom")) return;
-    const key = {"+": 1, "=": 1, "-": -1, "0": 0, "i": "invert", "I": "invert"}[event.key];
+    const key = {"+": 1, "=": 1, "-": -1, "0": 0, "i": "invert", "I": "invert", "p": "play", "P": "play"}[event.key];
     if (key === undefined) return;
     event.preventDefault();
     if (key === "invert") invert();
+    else if (key === "play") togglePlaying();
     else if (key === 0) zoomTo(1);
     else zoomStep(key);
   });
@@ -485,6 +541,7 @@ PAGE_JS = """
     const img = document.querySelector("#medvqa-scan");
     if (img !== zoom.img || (img && img.dataset.placed !== placed())) placeZoom();
     staleValues();
+    showPlaying();  // the frame slider shown or hidden
   }).observe(document.body, {childList: true, subtree: true, attributes: true,
                              attributeFilter: ["src", "style", "class", "data-placed", "data-view"]});
   // The column's width changes (the window, the page's layout): the zoomed scan keeps its place.
