@@ -64,7 +64,8 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
     scale = _measure_scale(scan, image.width, image.height)
     return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}" data-frame="{scan.frame_index}" '
             f'data-measure="{html.escape(scale)}"><div class="medvqa-frame" role="group" '
-            f'aria-label="Scan: + and − zoom, 0 shows it whole, i inverts it, p plays its frames, the arrow keys move it when zoomed">'
+            f'aria-label="Scan: + and − zoom, 0 shows it whole, i inverts it, p plays its frames, the arrow keys '
+            f'move it when zoomed">'
             f'<img id="medvqa-scan" alt="The scan as the model sees it" width="{image.width}" '
             f'height="{image.height}" src="data:image/png;base64,{encoded}"/></div>'
             f'<figcaption class="medvqa-caption">{html.escape(caption)}</figcaption>'
