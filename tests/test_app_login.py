@@ -205,3 +205,39 @@ def test_an_unknown_profile_or_a_missing_decoder_is_one_line(monkeypatch, capsys
     monkeypatch.setattr(Pipeline, "load", classmethod(missing))
     assert app.main(["--profile", "llava-med"]) == 2
     assert capsys.readouterr().err.endswith("\nerror: The decoder 'x' is not available locally. Download it once.\n")
+
+
+def test_a_tab_logged_out_elsewhere_says_so(served):
+    """Logged out in another tab, a page's calls fail without a word from Gradio: the page asks whether it
+    is still logged in when a question is asked, and says it is not, with a way back to the login form."""
+    from .test_browser import CHROMIUM, CHROMIUM_ARGS
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
+    url, _ = served
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(url)
+            page.fill("input[type=password]", PASSWORD)
+            page.locator("input:not([type=password])").first.fill(USER)
+            page.click("button:has-text('Login')")
+            page.wait_for_selector("#medvqa-ask")
+            page.fill("#medvqa-question textarea", "Is there an effusion?")
+            page.click("#medvqa-ask")
+            page.wait_for_timeout(1000)
+            assert page.locator("#medvqa-logged-out").count() == 0  # logged in: nothing said
+            context.new_page().goto(url + "logout")
+            page.bring_to_front()
+            page.fill("#medvqa-question textarea", "Is it a CT?")
+            page.click("#medvqa-ask")
+            banner = page.locator("#medvqa-logged-out")
+            banner.wait_for()
+            assert "You are logged out" in banner.inner_text() and banner.get_attribute("role") == "alert"
+            banner.locator("button").click()
+            page.wait_for_selector("input[type=password]")  # the login form again
+        finally:
+            browser.close()

@@ -74,6 +74,22 @@ def test_login_throttle_grows_per_address_and_per_user_name():
     assert throttle.attempt("10.0.0.1", "alice") == 0 and throttle.attempt("10.0.0.3", "carol") == 0
 
 
+def test_the_login_pages_multipart_form_is_throttled_by_its_user_name():
+    """Gradio's login page posts multipart/form-data: its user name is read too, so one user's failures
+    never hold up another's login from another address (they were all counted under the name "")."""
+    from medvqa.ui.access import _form_user_name
+
+    boundary = "----formBoundaryX7"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"username\"\r\n\r\n Dr. Müller \r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"password\"\r\n\r\nsecret\r\n"
+            f"--{boundary}--\r\n").encode()
+    content_type = f"multipart/form-data; boundary={boundary}".encode()
+    assert _form_user_name(body, content_type) == "Dr. Müller"
+    assert _form_user_name(b"username=alice&password=x", b"application/x-www-form-urlencoded") == "alice"
+    assert _form_user_name(b"garbage", content_type) == ""
+    assert _form_user_name(body.replace(b"username", b"user"), content_type) == ""
+
+
 def test_the_login_route_is_throttled_with_a_message(tmp_path):
     """AccessGuard in front of a stand-in for Gradio's /login: a burst of wrong passwords is cut
     short with 429 and a message; then even the right one must wait."""

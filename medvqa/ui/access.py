@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import threading
+from email.parser import BytesParser
+from email.policy import HTTP
 import time
 from collections import OrderedDict
 from typing import Any, Callable
@@ -92,7 +94,7 @@ class AccessGuard:
             if len(body) > _MAX_LOGIN_BODY:
                 await _refuse(scope, send, 413, "The login form is too large.")
                 return
-        user = (parse_qs(body.decode("utf-8", "replace")).get("username") or [""])[0].strip()
+        user = _form_user_name(body, dict(scope.get("headers", [])).get(b"content-type", b""))
         address = (scope.get("client") or ("", 0))[0] or ""
         wait_s = self.throttle.attempt(address, user)
         if wait_s > 0:
@@ -137,6 +139,20 @@ class AccessGuard:
             await self.app(scope, receive, watch)
         finally:
             self.uploads.upload_ended(refused=not 200 <= status < 300)
+
+
+def _form_user_name(body: bytes, content_type: bytes) -> str:
+    """The user name a login form posts, URL-encoded or (as Gradio's login page sends it) multipart; ""
+    when there is none. Read only to throttle: Gradio checks the form itself."""
+    if content_type.split(b";")[0].strip().lower() == b"multipart/form-data":
+        message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type + b"\r\n\r\n" + body)
+        if not message.is_multipart():
+            return ""
+        for part in message.iter_parts():
+            if part.get_param("name", header="content-disposition") == "username":
+                return (part.get_payload(decode=True) or b"").decode("utf-8", "replace").strip()
+        return ""
+    return (parse_qs(body.decode("utf-8", "replace")).get("username") or [""])[0].strip()
 
 
 def _file_route_target(path: str) -> str | None:

@@ -26,6 +26,10 @@ PAGE_CSS = """
 #medvqa-zoom [aria-pressed=true] { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
 .medvqa-frame.medvqa-zoomed { overflow: auto; cursor: grab; }
 #medvqa-scan.medvqa-inverted { filter: invert(1); }
+#medvqa-logged-out { position: sticky; top: 0; z-index: 1000; padding: 10px 14px; background: #991b1b;
+  color: #fff; font-weight: 600; }
+#medvqa-logged-out button { margin-left: 8px; padding: 2px 10px; border-radius: 4px; background: #fff;
+  color: #991b1b; font-weight: 600; }
 .medvqa-frame.medvqa-panning { cursor: grabbing; }
 .medvqa-frame:focus-visible { outline: 2px solid #2563eb; outline-offset: 2px; }
 #medvqa-zoom-bar { margin-top: calc(-1 * var(--layout-gap, 12px) + 4px); }
@@ -555,6 +559,41 @@ PAGE_JS = """
       resized.observe(viewer);
     }
   }).observe(document.body, {childList: true, subtree: true});
+  // Logged out (in another tab, or the login expired): Gradio's calls then fail without a word, so the page
+  // asks whether it is still logged in when a question is asked, when the tab is shown again and every
+  // minute, and says so in a banner with a way back to the login form. (Without a login the answer is yes.)
+  let loggedOutShown = false;
+  const checkLogin = async () => {
+    if (loggedOutShown) return;
+    let status = 0;
+    try {
+      status = (await fetch("gradio_api/login_check", {credentials: "same-origin", cache: "no-store"})).status;
+    } catch (error) {
+      return;  // the server unreachable: not a logout
+    }
+    if (status !== 401 || loggedOutShown) return;
+    loggedOutShown = true;
+    const banner = document.createElement("div");
+    banner.id = "medvqa-logged-out";
+    banner.setAttribute("role", "alert");
+    banner.append("You are logged out, so questions and scans are not sent. ");
+    const again = document.createElement("button");
+    again.type = "button";
+    again.textContent = "Log in again";
+    again.addEventListener("click", () => window.location.reload());
+    banner.append(again);
+    document.body.prepend(banner);
+  };
+  document.addEventListener("click", (event) => {
+    if (event.target.closest && event.target.closest("#medvqa-ask, #medvqa-upload, #medvqa-new")) checkLogin();
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && event.target.closest && event.target.closest("#medvqa-question")) checkLogin();
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState === "visible") checkLogin();
+  });
+  setInterval(checkLogin, 60000);
   document.addEventListener("click", (event) => {
     if (event.target.closest && event.target.closest(".medvqa-skip")) {
       event.preventDefault();
