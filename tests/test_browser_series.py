@@ -253,6 +253,26 @@ def test_invert_is_for_the_eye_kept_through_the_slices_and_the_next_scan_is_plai
     assert inverted() == (False, "none", "false"), "another scan is shown as it is"
 
 
+def test_a_tall_narrow_scan_is_shown_whole_within_the_window(page, tmp_path):  # noqa: F811
+    from PIL import Image
+
+    tall = tmp_path / "tall.png"
+    Image.fromarray((np.arange(2000 * 40) % 251).astype(np.uint8).reshape(2000, 40)).save(tall)
+    page.set_input_files("#medvqa-upload input[type=file]", str(tall))
+    wait_for_caption(page, "40×2000 px")
+    page.wait_for_timeout(300)
+    sizes = page.evaluate("""() => {
+      const img = document.querySelector('#medvqa-scan');
+      return [img.getBoundingClientRect().height, window.innerHeight, document.documentElement.scrollHeight];
+    }""")
+    shown, window_height, page_height = sizes
+    assert 0.5 * window_height < shown <= 0.8 * window_height + 1 and page_height < 3 * window_height, sizes
+    page.click("#medvqa-zoom [data-zoom=in]")  # zoomed, it still scrolls within its frame
+    page.wait_for_timeout(200)
+    frame_height = page.evaluate("() => document.querySelector('#medvqa-viewer .medvqa-frame').offsetHeight")
+    assert frame_height <= 0.8 * window_height + 1
+
+
 def test_play_steps_through_the_slices_and_round_again_until_paused(page, tmp_path):  # noqa: F811
     from tests.test_ui import dicom_file
 

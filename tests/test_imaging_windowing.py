@@ -93,3 +93,10 @@ def test_8_bit_pixels_index_the_window_table_themselves(shape):
         per_pixel = _window_to_uint8(values.astype(np.int64), window, frame)
         expected = per_pixel if frame.is_color else np.repeat(per_pixel[..., None], 3, axis=2)
         np.testing.assert_array_equal(_to_rgb8(frame, window), expected)
+
+
+def test_a_centre_that_is_float_noise_beside_the_width_is_said_as_zero():
+    from medvqa.imaging.windowing import Window
+
+    assert Window(2.33058e-12, 1.0, "user").describe() == "user window (C 0 / W 1)"
+    assert Window(0.25, 1.0, "user").describe() == "user window (C 0.25 / W 1)"

@@ -223,6 +223,31 @@ def test_closing_a_tab_stops_its_own_finds_only(archive):
     assert "Found 1 series." in outcome["open"] and "Found 1 series." in outcome["no session"]
 
 
+def test_a_second_load_stops_the_one_running_and_clears_an_old_status(archive):
+    """The panel's Load while a Find or Load of the tab runs: that one is stopped (the new choice replaces
+    it; Gradio would drop the second press, so the layout runs this first, then the load behind it), and
+    a status left by an earlier Cancel goes."""
+    from types import SimpleNamespace
+
+    from medvqa.ui.remote import _PacsHandlers
+
+    archive.behaviour.hold = threading.Event()
+    remote, outcome = _PacsHandlers(Pacs(archive.url), handlers=None), {}
+    tab, other = SimpleNamespace(session_hash="tab-1"), SimpleNamespace(session_hash="tab-2")
+    assert remote.load_starts(tab) == ""  # nothing running: the status line is cleared
+    finders = [threading.Thread(target=lambda name=name, request=request: outcome.__setitem__(
+        name, remote.find("ACC-1", None, request)[2])) for name, request in (("mine", tab), ("other", other))]
+    for finder in finders:
+        finder.start()
+    wait_for_requests(archive, 2)
+    assert "stopped" in remote.load_starts(tab)
+    finders[0].join(60)
+    assert not finders[0].is_alive() and outcome["mine"] == {"__type__": "update"}
+    archive.behaviour.hold.set()
+    finders[1].join(60)
+    assert "Found 1 series." in outcome["other"]  # another tab's goes on
+
+
 def test_cancel_stops_the_tab_s_load_and_the_scan_shown_stays(archive, ui_pipeline, ui_settings,  # noqa: F811
                                                               upload_folder):  # noqa: F811
     """The panel's Cancel (a slow archive, a series chosen by mistake) stops the Load as closing the tab

@@ -36,3 +36,16 @@ def test_the_line_under_the_chat_says_when_each_question_is_answered_on_its_own(
     monkeypatch.setattr(tiny_pipeline.settings.decoder, "history_turns", 0)
     assert "each question is answered on its own (the model does not read the earlier turns), so ask each in full" \
         in footer_text(tiny_pipeline, tiny_pipeline.settings)
+
+
+def test_a_second_pacs_load_is_queued_behind_the_first_not_dropped(tiny_pipeline):
+    """Gradio drops a click on an event still running (trigger_mode "once"): the PACS Load runs behind a
+    step that stops the tab's running load at once, and queues the new one (always_last)."""
+    from medvqa.pacs import Pacs
+    from medvqa.ui import build_app
+
+    demo = build_app(tiny_pipeline, tiny_pipeline.settings, max_upload_mb=1, pacs=Pacs("http://127.0.0.1:9/dicom-web",
+                                                                                       env={}))
+    by_name = {fn.name: fn for fn in demo.fns.values()}
+    assert by_name["load"].trigger_mode == "always_last" and by_name["load"].api_name == "pacs_load"
+    assert by_name["load_starts"].trigger_mode == "multiple" and by_name["load_starts"].queue is False

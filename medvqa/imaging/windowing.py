@@ -30,7 +30,9 @@ class Window:
     function: str = "LINEAR"  # VOI LUT function, PS3.3 C.11.2.1.2: LINEAR, LINEAR_EXACT or SIGMOID
 
     def describe(self) -> str:
-        center_width = f"C {_format_number(self.center)} / W {_format_number(self.width)}"
+        # A centre that is float noise beside the width (2.3e-12 for a window about 0) is said as 0.
+        center = 0.0 if abs(self.center) < 1e-9 * abs(self.width) else self.center
+        center_width = f"C {_format_number(center)} / W {_format_number(self.width)}"
         if self.name == "none":
             return "no window (8-bit image shown as stored)"
         if self.name == "file":

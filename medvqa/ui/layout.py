@@ -166,9 +166,14 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                   [identifier, remote_series, status, found], api_name="pacs_find", concurrency_limit=8,
                   concurrency_id="pacs")  # network waits, not work: a slow archive must not queue other tabs
             # Its progress (slices arrived, a stalled archive) on the viewer and the panel, not over the chat.
-            load.click(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
-                       concurrency_limit=8, concurrency_id="pacs", show_progress_on=[viewer, status]
-                       ).then(**study_controls).then(**restore_offer).then(**warming)
+            # A Load pressed while one runs replaces it: the running one is stopped at once (queue=False), and
+            # the new one runs when it has ended (always_last: Gradio would otherwise drop the second press).
+            load.click(remote.load_starts, None, [status], queue=False, api_visibility="private",
+                       show_progress="hidden", trigger_mode="multiple"
+                       ).then(remote.load, [remote_series, found, session], viewer_outputs, api_name="pacs_load",
+                              concurrency_limit=8, concurrency_id="pacs", show_progress_on=[viewer, status],
+                              trigger_mode="always_last"
+                              ).then(**study_controls).then(**restore_offer).then(**warming)
             # queue=False: a Cancel never waits behind the transfers it stops
             cancel.click(remote.cancel, None, [status], api_name="pacs_cancel", queue=False)
             demo.unload(remote.tab_closed)  # the tab's Find or Load stops with it

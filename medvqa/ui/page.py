@@ -317,12 +317,16 @@ PAGE_JS = """
     }
     img.dataset.placed = placed();
     frame.tabIndex = 0;  // a stop for the keys: + − 0, and the arrows once zoomed (its label, in viewer.py)
+    const shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
+    // A scan taller than wide is shown whole within 80 % of the window's height: its frame is narrowed (the
+    // zoom's sizes all follow the frame's width).
+    const narrowest = `${Math.floor(Math.min(640, 0.8 * window.innerHeight / shape))}px`;
+    if (frame.style.maxWidth !== narrowest) frame.style.maxWidth = narrowest;
     if (!zoomed()) {
       img.style.width = img.style.maxWidth = frame.style.height = "";
       drawRuler();
       return;
     }
-    const shape = (Number(img.getAttribute("height")) || 1) / (Number(img.getAttribute("width")) || 1);
     const wide = wideOf(frame), high = wide * shape;
     frame.style.height = `${frame.offsetWidth * shape}px`;
     img.style.maxWidth = "none";
@@ -550,6 +554,7 @@ PAGE_JS = """
                              attributeFilter: ["src", "style", "class", "data-placed", "data-view"]});
   // The column's width changes (the window, the page's layout): the zoomed scan keeps its place.
   const resized = new ResizeObserver(() => placeZoom());
+  window.addEventListener("resize", () => placeZoom());  // the window's height bounds a tall scan's
   let watched = null;
   new MutationObserver(() => {
     const viewer = document.querySelector("#medvqa-viewer");

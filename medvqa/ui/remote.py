@@ -85,6 +85,14 @@ class _PacsHandlers:
             cancel.set()
         return bool(events)
 
+    def load_starts(self, request: gr.Request = None) -> str:
+        """The panel's Load, at once (before the load itself, which queues behind one still running): a Find
+        or Load of the tab still running is stopped, since the series now chosen replaces it, and the status
+        line left by an earlier one ("Cancelled.") is cleared."""
+        if self._stop(request):
+            return _status("The load in progress was stopped: the series chosen now is loaded instead.")
+        return ""
+
     def find(self, identifier: str, found: list[RemoteSeries] | None, request: gr.Request = None):
         """List the study's series (modality, slice count); returns the cleared box, the series
         choices, a status line and the tab's list of series."""
