@@ -17,8 +17,8 @@ from .config import PROFILES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m medvqa", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineErrors(prog="python -m medvqa", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
 
     ask = commands.add_parser("ask", help="answer a question about an image (DICOM, PNG, JPEG or TIFF), or about one "
                                           "slice of a series in a folder or .zip of DICOM files")
@@ -103,9 +103,20 @@ def _scan_pacs(url: str, as_json: bool) -> int:
     return 0
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A wrong argument is said in one line (argparse prints its whole usage block first), with where
+    the usage is; exit status 2, as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def _count(text: str) -> int:
     """A number of things: 0 or more (argparse says so when it is not)."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not 0 or more")
     return value

@@ -107,6 +107,18 @@ def test_an_empty_window_and_a_negative_passage_count_are_refused(capsys, pictur
     assert "--window needs a value" in capsys.readouterr().err
 
 
+def test_a_wrong_argument_is_one_line_without_the_usage_block(capsys, picture):
+    for argv, said in ((["prompt", "q", "--passages", "x"], "'x' is not a whole number"),
+                       (["ask", str(picture), "q", "--slice", "abc"], "argument --slice"),
+                       (["ask", str(picture), "q", "--profile", "nope"], "invalid choice: 'nope'"),
+                       (["bogus"], "invalid choice: 'bogus'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+        assert "usage:" not in err and "_count" not in err and "--help" in err
+
+
 def test_ask_on_a_tiny_profile_says_its_answers_mean_nothing(capsys, monkeypatch, picture, tiny_pipeline):
     from medvqa.pipeline import Pipeline
 
