@@ -572,3 +572,18 @@ def wait_until(condition, failure: str, timeout_s: float = 60) -> None:
         if time.monotonic() > deadline:
             pytest.fail(failure)
         time.sleep(0.05)
+
+
+def test_a_window_box_emptied_and_left_gets_its_value_back(page):  # noqa: F811
+    """Emptied, a number box would report 0: a window of centre 0 was applied without a word."""
+    page.set_input_files("#medvqa-upload input[type=file]", dicom_file("CT_small.dcm"))
+    page.wait_for_selector("#medvqa-scan")
+    caption = page.inner_text("#medvqa-viewer .medvqa-caption")
+    center = page.locator("#medvqa-center input[type=number]")
+    shown = center.input_value()
+    center.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.press("Backspace")
+    page.keyboard.press("Enter")
+    page.wait_for_timeout(1500)
+    assert page.inner_text("#medvqa-viewer .medvqa-caption") == caption and center.input_value() == shown

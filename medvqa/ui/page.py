@@ -112,6 +112,21 @@ ZOOM_TOOLBAR = (
 PAGE_JS = """
 () => {
   const KEYS = ["ArrowLeft", "ArrowRight", "ArrowUp", "ArrowDown", "PageUp", "PageDown", "Home", "End"];
+  // A window or frame box emptied and left would report 0 (a centre of 0 applied without a word): it gets
+  // the value it had back first (in the capture phase, before Gradio's own blur handler reads it).
+  const numberBox = (target) => target instanceof HTMLInputElement && target.type === "number"
+    && target.closest("#medvqa-center, #medvqa-width, #medvqa-frame");
+  const lastValue = new WeakMap();
+  document.addEventListener("focus", (event) => {
+    if (numberBox(event.target) && event.target.value.trim() !== "") lastValue.set(event.target, event.target.value);
+  }, true);
+  document.addEventListener("blur", (event) => {
+    const box = event.target;
+    if (numberBox(box) && box.value.trim() === "" && lastValue.has(box)) {
+      box.value = lastValue.get(box);
+      box.dispatchEvent(new Event("input", {bubbles: true}));
+    }
+  }, true);
   document.addEventListener("keydown", (event) => {
     const box = event.target;
     if (event.key === "Enter" && box instanceof HTMLInputElement && box.type === "number"
