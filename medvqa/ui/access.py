@@ -84,16 +84,9 @@ class AccessGuard:
     async def _login(self, scope: dict, receive: Any, send: Any) -> None:
         """Gradio's login route behind the throttle: a try is let through only when neither its client
         address nor its user name must wait; it counts as failed unless Gradio accepts it."""
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > _MAX_LOGIN_BODY:
-                await _refuse(scope, send, 413, "The login form is too large.")
-                return
+        body = await read_body(scope, receive, send, _MAX_LOGIN_BODY, "The login form is too large.")
+        if body is None:
+            return
         user = _form_user_name(body, dict(scope.get("headers", [])).get(b"content-type", b""))
         address = (scope.get("client") or ("", 0))[0] or ""
         wait_s = self.throttle.attempt(address, user)
@@ -104,13 +97,6 @@ class AccessGuard:
             return
         status = 0
 
-        async def replay() -> dict:
-            nonlocal body
-            if body is None:
-                return await receive()
-            message, body = {"type": "http.request", "body": body, "more_body": False}, None
-            return message
-
         async def watch(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
@@ -119,7 +105,7 @@ class AccessGuard:
                     self.throttle.succeeded(address, user)
             await send(message)
 
-        await self.app(scope, replay, watch)
+        await self.app(scope, replay(body, receive), watch)
 
     async def _upload(self, scope: dict, receive: Any, send: Any) -> None:
         """Run Gradio's upload route; a refusal (an error status, or a request that broke off) has its
@@ -139,6 +125,37 @@ class AccessGuard:
             await self.app(scope, receive, watch)
         finally:
             self.uploads.upload_ended(refused=not 200 <= status < 300)
+
+
+async def read_body(scope: dict, receive: Any, send: Any, limit: int, too_large: str) -> bytes | None:
+    """A request's whole body, read for a middleware to look at; None once it is answered 413 with
+    `too_large` (past `limit` bytes) or the client went away."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) > limit:
+            await _refuse(scope, send, 413, too_large)
+            return None
+    return body
+
+
+def replay(body: bytes, receive: Any) -> Any:
+    """A `receive` for the app behind a middleware that read the body (read_body): the body, then the
+    client's own messages (its going away, as Starlette waits for it)."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 def _form_user_name(body: bytes, content_type: bytes) -> str:
@@ -166,7 +183,8 @@ def _file_route_target(path: str) -> str | None:
 def _asks_deep_link(scope: dict) -> bool:
     """Whether the query string names a deep link (`/?deep_link=`, `/config?deep_link=`)."""
     query = scope.get("query_string", b"")
-    return b"deep_link" in query and any(name == "deep_link" for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+    return b"deep_link" in query and any(name == "deep_link"
+                                         for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
 
 
 def _is_public(path: str) -> bool:

@@ -31,6 +31,8 @@ from urllib.parse import parse_qsl, urlencode
 
 from starlette.requests import HTTPConnection
 
+from .access import read_body, replay
+
 COOKIE = "medvqa-browser"
 _COOKIE_VALUE = re.compile(r"^[A-Za-z0-9_-]{32,64}$")
 # Routes that carry the hash in their path: /gradio_api/heartbeat/<hash>, /gradio_api/stream/<hash>/...
@@ -65,16 +67,13 @@ class TabBinding:
         browser = browser if browser and _COOKIE_VALUE.match(browser) else None
         scope, carried = self._rewrite_scope(scope, browser)
         if scope["type"] == "http" and _is_json_post(scope):
-            body, too_large = await _read_body(receive)
-            if too_large:
-                await _refuse(send, 413, "The request is too large.")
-                return
+            body = await read_body(scope, receive, send, _MAX_JSON_BODY, "The request is too large.")
             if body is None:
-                return  # the client went away
+                return  # refused as too large, or the client went away
             body, in_body = self._rewrite_body(body, browser)
             carried = carried or in_body
             scope = _with_header(scope, b"content-length", str(len(body)).encode())
-            receive = _replay(body, receive)
+            receive = replay(body, receive)
         if scope["type"] == "http" and browser is None and not carried:
             send = _setting_cookie(send, scope)
         await self.app(scope, receive, send)
@@ -119,32 +118,6 @@ def _is_json_post(scope: dict) -> bool:
     return content_type.split(b";")[0].strip().lower() == b"application/json"
 
 
-async def _read_body(receive: Any) -> tuple[bytes | None, bool]:
-    body, more = b"", True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None, False
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-        if len(body) > _MAX_JSON_BODY:
-            return None, True
-    return body, False
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    sent = False
-
-    async def replayed() -> dict:
-        nonlocal sent
-        if sent:
-            return await receive()  # after the body: wait for the client to go away, as Starlette does
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
-
-
 def _with_header(scope: dict, name: bytes, value: bytes) -> dict:
     headers = [(key, old) for key, old in scope.get("headers", []) if key != name]
     return {**scope, "headers": [*headers, (name, value)]}
@@ -161,10 +134,3 @@ def _setting_cookie(send: Any, scope: dict) -> Any:
         await send(message)
 
     return sending
-
-
-async def _refuse(send: Any, status: int, message: str) -> None:
-    body = json.dumps({"detail": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
