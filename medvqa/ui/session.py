@@ -139,6 +139,11 @@ class _Session:
                     self.conversation.__dict__["image"] = again.pixels
 
 
+def _copy(messages: list[dict]) -> list[dict]:
+    """A snapshot of the chat for Gradio, so later edits to the session's messages do not leak into it."""
+    return [dict(message) for message in messages]
+
+
 def _close_session(session: _Session | None) -> None:
     """Gradio's delete callback for a session whose tab is gone."""
     if session is not None:
