@@ -49,3 +49,22 @@ def test_a_second_pacs_load_is_queued_behind_the_first_not_dropped(tiny_pipeline
     by_name = {fn.name: fn for fn in demo.fns.values()}
     assert by_name["load"].trigger_mode == "always_last" and by_name["load"].api_name == "pacs_load"
     assert by_name["load_starts"].trigger_mode == "multiple" and by_name["load_starts"].queue is False
+
+
+def test_the_page_script_is_the_function_in_page_js(tmp_path, monkeypatch):
+    """page.js's comments stay in the file; Gradio gets the function, and a file without one is refused."""
+    import shutil
+    import subprocess
+
+    from medvqa.ui import page
+
+    assert page.PAGE_JS.startswith("() => {\n") and page.PAGE_JS.rstrip().endswith("}")
+    assert "// - A slider's number box" not in page.PAGE_JS
+    if shutil.which("node"):  # a syntax error would otherwise show only in the browser tests
+        source = page.Path(page.__file__).with_name("page.js")
+        assert subprocess.run(["node", "--check", str(source)], capture_output=True).returncode == 0
+    (tmp_path / "page.py").write_text("")
+    (tmp_path / "broken.js").write_text("// a comment only\n")
+    monkeypatch.setattr(page, "__file__", str(tmp_path / "page.py"))
+    with pytest.raises(RuntimeError, match="broken.js"):
+        page._script("broken.js")

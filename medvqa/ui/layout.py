@@ -85,7 +85,7 @@ def build_app(pipeline: Pipeline, settings: Settings | None = None, max_upload_m
                 series_picker = gr.Dropdown([], label="Series", visible=False, allow_custom_value=True,
                                             elem_id="medvqa-series")
                 viewer = gr.HTML(_EMPTY_VIEWER, elem_id="medvqa-viewer")
-                # Zoom is the page's alone (page.PAGE_JS): the model sees the whole scan whatever is shown.
+                # Zoom is the page's alone (page.js): the model sees the whole scan whatever is shown.
                 gr.HTML(ZOOM_TOOLBAR, padding=False, elem_id="medvqa-zoom-bar")
                 # The Value tool: the page writes the point clicked here, the pixel's value comes back below.
                 probe_at = gr.Textbox(visible="hidden", elem_id="medvqa-probe-at", show_label=False)

@@ -39,7 +39,7 @@ _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _view_key(source) -> str:
     """A random key for what is being viewed (a file, a series): the same across its frames and windows,
-    another for the next file or series. The page keeps its zoom while the key stays (see page.PAGE_JS).
+    another for the next file or series. The page keeps its zoom while the key stays (see page.js).
     Random, not counted: a count would tell each page how many scans the app has opened for anyone."""
     if source not in _VIEWS:
         _VIEWS[source] = secrets.token_hex(8)
@@ -60,7 +60,7 @@ def _viewer_html(scan: Scan, view: str = "") -> str:
     caption = (f"{scan.source_format.upper()} · {pixels.shape[1]}×{pixels.shape[0]} px · "
                f"{_place_caption(scan)} · {scan.describe_window()}")
     # A figure and its caption: a screen reader reads what is shown with the image (the page announces the
-    # viewer's changes, see page.PAGE_JS).
+    # viewer's changes, see page.js).
     scale = _measure_scale(scan, image.width, image.height)
     return (f'<figure class="medvqa-viewer" data-view="{html.escape(view)}" data-frame="{scan.frame_index}" '
             f'data-measure="{html.escape(scale)}"><div class="medvqa-frame" role="group" '
@@ -116,7 +116,7 @@ def _pixel_value_text(source: ScanSource | Series, value: float | tuple[int, ...
 
 def _probe_html(shown: str, click: str, text: str) -> str:
     """The Value tool's answer, marked with the view and frame it was read on and the click it answers:
-    the page shows it only beside that click's mark (page.PAGE_JS)."""
+    the page shows it only beside that click's mark (page.js)."""
     return (f'<span class="medvqa-probe" data-for="{html.escape(shown)}" data-click="{html.escape(click)}">'
             f'{html.escape(text)}</span>')
 
