@@ -472,7 +472,7 @@ def test_confidence_support_marks_and_image_reliance_in_the_browser(page, ui_pip
 
 def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, upload_folder):  # noqa: F811
     """With a login set, Chromium gets Gradio's login form (everything else is behind the login wall),
-    and the app once logged in."""
+    which says when the login throttle makes it wait, and the app once logged in."""
     from medvqa.ui import build_app, launch
 
     demo = build_app(ui_pipeline, ui_settings, max_upload_mb=MAX_UPLOAD_MB)
@@ -484,6 +484,20 @@ def test_logging_in_through_the_browser(browser, ui_pipeline, ui_settings, uploa
         page.goto(url)
         page.locator("input[type=password]").wait_for(state="visible")
         assert page.query_selector("#medvqa-upload") is None
+        # Wrong passwords: Gradio's form says so; once the throttle refuses a try (429), which the form
+        # alone would not show, the page says how long to wait and when the wait is over.
+        for _ in range(6):
+            page.locator("input[type=text]").first.fill("doc")
+            page.locator("input[type=password]").fill("wrong")
+            with page.expect_response(lambda response: response.url.endswith("/login")) as answer:
+                page.locator("input[type=password]").press("Enter")
+            if answer.value.status == 429:
+                break
+        assert answer.value.status == 429
+        note = page.locator("#medvqa-login-note[role=alert]")
+        assert "Too many failed logins" in note.inner_text() and "please wait 1 s" in note.inner_text()
+        page.wait_for_function("() => document.querySelector('#medvqa-login-note').textContent"
+                               ".startsWith('You can try to log in again now')", timeout=5_000)
         page.locator("input[type=text]").first.fill("doc")
         page.locator("input[type=password]").fill("secret")
         page.locator("input[type=password]").press("Enter")

@@ -67,4 +67,4 @@ def test_the_page_script_is_the_function_in_page_js(tmp_path, monkeypatch):
     (tmp_path / "broken.js").write_text("// a comment only\n")
     monkeypatch.setattr(page, "__file__", str(tmp_path / "page.py"))
     with pytest.raises(RuntimeError, match="broken.js"):
-        page._script("broken.js")
+        page.page_script("broken.js")

@@ -140,3 +140,39 @@ def test_bidirectional_overrides_are_stripped_from_what_is_shown():
     scan = Scan(np.zeros((2, 2, 3), np.uint8), None, 0, 1, {}, "png")
     record = _Answer(question=tricky, scan=scan, text="No \u202eeffusion.").record()
     assert record["question"] == "Is there effusion? left" and record["answer"] == "No effusion."
+
+def test_the_login_page_gets_the_script_that_shows_a_refused_try(tmp_path):
+    """Gradio's login form shows nothing for a 429: the page the guard serves to a browser not logged in
+    carries login.js, which does, with a Content-Length that still matches; other routes pass as they are."""
+    httpx = pytest.importorskip("httpx")
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse, JSONResponse
+    from starlette.routing import Route
+
+    from medvqa.ui.access import LOGIN_SCRIPT_TAG, AccessGuard
+    from medvqa.ui.uploads import UploadFolder
+
+    page = "<html><head><title>t</title></head><body>form</body></html>"
+
+    async def index(request):
+        return HTMLResponse(page)
+
+    async def config(request):
+        return JSONResponse({"auth_required": True})
+
+    def guard(login_required: bool) -> AccessGuard:
+        return AccessGuard(Starlette(routes=[Route("/", index), Route("/config", config)]),
+                           uploads=UploadFolder(tmp_path / str(login_required)), login_required=login_required)
+
+    async def run(app, path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return await client.get(path)
+
+    served = anyio.run(run, guard(True), "/")
+    assert served.status_code == 200 and served.content.count(LOGIN_SCRIPT_TAG) == 1
+    assert served.content.index(LOGIN_SCRIPT_TAG) < served.content.index(b"</head>")
+    assert int(served.headers["content-length"]) == len(served.content)
+    assert b"medvqa-login-note" in LOGIN_SCRIPT_TAG and b"</script>" not in LOGIN_SCRIPT_TAG[:-len(b"</script>")]
+    assert anyio.run(run, guard(True), "/config").status_code == 401  # behind the wall, as before
+    assert anyio.run(run, guard(False), "/").text == page  # no login set: no login page to add to

@@ -9,7 +9,9 @@ rest gets 401. Gradio still does its own checks behind it.
 
 Logging in is throttled (`LoginThrottle`): per client address and per user name, after a few
 failures each further try must wait a delay that doubles with every failure, and a try made sooner
-is answered 429 with a message saying how long to wait (the password is not even checked).
+is answered 429 with a message saying how long to wait (the password is not even checked). Gradio's
+login form shows nothing for a 429, so the login page is served with a script of the app's (login.js)
+that shows that message and counts the wait down.
 
 It also refuses Gradio's file routes for anything in the upload folder (an upload is never served
 back: the scan is shown as an inline image), and Gradio's deep links: `/gradio_api/deep_link` would
@@ -22,6 +24,7 @@ starts and ends, so that a refused one's temporary file is deleted right away.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from email.parser import BytesParser
 from email.policy import HTTP
@@ -32,6 +35,7 @@ from urllib.parse import parse_qs, parse_qsl, unquote
 
 from starlette.requests import HTTPConnection
 
+from .page import page_script
 from .uploads import UploadFolder
 
 UPLOAD_ROUTE = "/gradio_api/upload"
@@ -46,6 +50,8 @@ _PUBLIC_PATHS = {"/", "/login", "/logout", "/favicon.ico", "/theme.css", "/gradi
                  "/manifest.json", "/gradio_api/login_check", "/gradio_api/startup-events"}
 _PUBLIC_PREFIXES = ("/assets/", "/static/", "/svelte/", "/pwa_icon")
 DEEP_LINK_ROUTE = "/gradio_api/deep_link"
+# What the login page gets besides Gradio's form (see login.js and _with_login_script).
+LOGIN_SCRIPT_TAG = f"<script>({page_script('login.js')})();</script>".encode()
 
 
 class AccessGuard:
@@ -79,6 +85,10 @@ class AccessGuard:
         if scope["type"] == "http" and scope.get("method") == "POST" and path.rstrip("/") in LOGIN_ROUTES:
             await self._login(scope, receive, send)
             return
+        if (self.login_required and scope["type"] == "http" and scope.get("method") == "GET"
+                and path.rstrip("/") == "" and not _logged_in(scope)):
+            await self.app(scope, receive, _with_login_script(send))
+            return
         await self.app(scope, receive, send)
 
     async def _login(self, scope: dict, receive: Any, send: Any) -> None:
@@ -91,9 +101,10 @@ class AccessGuard:
         address = (scope.get("client") or ("", 0))[0] or ""
         wait_s = self.throttle.attempt(address, user)
         if wait_s > 0:
+            wait = max(1, math.ceil(wait_s))  # whole seconds, never "0 s"
             await _refuse(scope, send, 429, f"Too many failed logins from this address or for this user name: "
-                                            f"please wait {wait_s:.0f} s before trying again.",
-                          headers=[(b"retry-after", str(max(1, round(wait_s))).encode())])
+                                            f"please wait {wait} s before trying again.",
+                          headers=[(b"retry-after", str(wait).encode())])
             return
         status = 0
 
@@ -125,6 +136,38 @@ class AccessGuard:
             await self.app(scope, receive, watch)
         finally:
             self.uploads.upload_ended(refused=not 200 <= status < 300)
+
+
+def _with_login_script(send: Any) -> Any:
+    """`send` for the login page: its HTML gets login.js (what the login form leaves unsaid: a try the
+    throttle refused, and how long to wait) at the end of its head. Any other answer passes as it is."""
+    start: dict | None = None
+    chunks: list[bytes] = []
+
+    async def wrapped(message: dict) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers", []))
+            if message.get("status") == 200 and headers.get(b"content-type", b"").startswith(b"text/html"):
+                start = message  # held until the whole page is read
+                return
+            await send(message)
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        page = b"".join(chunks)
+        at = page.find(b"</head>")
+        if at >= 0:
+            page = page[:at] + LOGIN_SCRIPT_TAG + page[at:]
+        headers = [(name, value) for name, value in start.get("headers", []) if name != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(page)).encode())]})
+        await send({"type": "http.response.body", "body": page})
+
+    return wrapped
 
 
 async def read_body(scope: dict, receive: Any, send: Any, limit: int, too_large: str) -> bytes | None:

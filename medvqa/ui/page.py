@@ -6,7 +6,7 @@ it reads, and can be checked, as one (`node --check medvqa/ui/page.js`)."""
 from pathlib import Path
 
 
-def _script(name: str) -> str:
+def page_script(name: str) -> str:
     """The function in the file `name` beside this one, from its line "() => {" on (the comments above it are
     the file's, not the page's)."""
     text = (Path(__file__).with_name(name)).read_text(encoding="utf-8")
@@ -107,4 +107,4 @@ ZOOM_TOOLBAR = (
     '<span class="medvqa-hint">Ctrl+wheel zooms at the pointer; Shift+drag moves a zoomed scan; i inverts; '
     'p plays the frames.</span></div>')
 
-PAGE_JS = _script("page.js")
+PAGE_JS = page_script("page.js")
