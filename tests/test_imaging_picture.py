@@ -89,3 +89,27 @@ def test_real_vqa_rad_and_slake_images():
         assert scan.pixels.ndim == 3 and scan.pixels.shape[2] == 3 and scan.pixels.dtype == np.uint8
         assert scan.pixels.std() > 5, path.name
         assert scan.source_format == "jpeg" and scan.frame_count == 1
+
+
+def test_a_16_bit_white_is_zero_tiff_shows_its_highest_value_black():
+    """TIFF 6.0 PhotometricInterpretation 0 (WhiteIsZero): Pillow inverts an 8-bit page itself but not a
+    16-bit one, which the app inverts (after the window, as for a DICOM's MONOCHROME1)."""
+    gray = np.tile((np.arange(90) * 700).astype(np.uint16), (60, 1))
+    gray[:15, :15] = 65535
+    white_is_zero = load_scan(encode(Image.fromarray(gray), "TIFF", tiffinfo={262: 0})).pixels
+    black_is_zero = load_scan(encode(Image.fromarray(gray), "TIFF")).pixels
+    assert white_is_zero[0, 0, 0] == 0 and black_is_zero[0, 0, 0] == 255
+    np.testing.assert_array_equal(white_is_zero, 255 - black_is_zero)
+
+
+def test_a_png_with_an_exif_orientation_is_turned_as_a_jpeg_is():
+    """A browser honours a PNG's eXIf orientation (a photographed film saved as PNG), as the app does a JPEG's."""
+    rgb = np.zeros((60, 90, 3), np.uint8)
+    rgb[:15, :15] = 255
+    image = Image.fromarray(rgb)
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90° clockwise to view
+    for fmt in ("JPEG", "PNG"):
+        shown = load_scan(encode(image, fmt, exif=exif.tobytes())).pixels
+        assert shown.shape == (90, 60, 3), fmt
+        assert shown[:15, -15:].mean() > 200 and shown[:15, :15].mean() < 50, fmt  # the white corner turned right

@@ -15,7 +15,7 @@ from pydicom.dataset import Dataset
 
 from medvqa.imaging import ScanError, ScanLimits, Window, open_study
 
-from .imaging_helpers import PLANTED, ct_series, dicom_bytes, make_dicom, zip_bytes
+from .imaging_helpers import PLANTED, ct_series, dicom_bytes, make_dicom, slice_hu, zip_bytes
 
 READ_BACK = Window(200, 1000, "user")  # disc values 0..390 HU (slice index × 10) land on distinct grey levels
 
@@ -335,3 +335,64 @@ def test_reading_a_pixel_of_a_slice_not_shown_keeps_nothing_decoded():
     assert series.value_at(1, 10, 20) == slice_hu(1)[10, 20]
     assert series._slices[1].source.decoded_bytes == 0 and series.decoded_bytes == shown
     assert series.value_at(3, 10, 20) == slice_hu(3)[10, 20] and series.decoded_bytes == shown
+
+
+def _enhanced_ct(stored_at: list[float], *, orientations=None, shared_orientation=(1, 0, 0, 0, 1, 0)) -> bytes:
+    """An enhanced multi-frame CT whose frame k shows slice_hu(stored_at[k] / 10) and lies at z = stored_at[k]
+    (its Plane Position per frame; the orientation shared, or per frame from `orientations`)."""
+    frames = np.stack([slice_hu(int(z // 10)) + 1024 for z in stored_at])
+    ds = make_dicom(frames, RescaleSlope=1, RescaleIntercept=-1024)
+    shared = Dataset()
+    plane = Dataset()
+    plane.ImageOrientationPatient = [float(v) for v in shared_orientation]
+    shared.PlaneOrientationSequence = [plane]
+    ds.SharedFunctionalGroupsSequence = [shared]
+    ds.PerFrameFunctionalGroupsSequence = []
+    for k, z in enumerate(stored_at):
+        group, position = Dataset(), Dataset()
+        position.ImagePositionPatient = [0.0, 0.0, float(z)]
+        group.PlanePositionSequence = [position]
+        if orientations is not None:
+            own = Dataset()
+            own.ImageOrientationPatient = [float(v) for v in orientations[k]]
+            group.PlaneOrientationSequence = [own]
+        ds.PerFrameFunctionalGroupsSequence.append(group)
+    return dicom_bytes(ds)
+
+
+def test_an_enhanced_multiframe_file_shows_its_frames_in_position_order():
+    """PS3.3 C.7.6.16.2.2: an enhanced file's frames may be stored in any order; each says where it lies.
+    They are shown along the slice normal, as a series' slices are, with their positions and gaps."""
+    one_file = _enhanced_ct([30, 10, 40, 20])
+    series = open_study(one_file).series[0]
+    assert series.positions_mm == [10.0, 20.0, 30.0, 40.0] and series.warnings == []
+    assert [slice_shown(series.render(READ_BACK, i)) for i in range(4)] == [1, 2, 3, 4]
+    assert open_study([one_file]).series[0].positions_mm == [10.0, 20.0, 30.0, 40.0]  # one file of several
+    gap = open_study(_enhanced_ct([10, 20, 30, 60])).series[0]
+    assert "1 gap" in gap.warnings[0]
+    # Frames in two orientations (a three-plane localiser): stored order, said.
+    mixed = open_study(_enhanced_ct([10, 20, 30], orientations=[(1, 0, 0, 0, 1, 0)] * 2 + [(0, 1, 0, 0, 0, -1)]))
+    assert [slice_shown(mixed.series[0].render(READ_BACK, i)) for i in range(3)] == [1, 2, 3]
+    assert "2 different orientations" in mixed.series[0].warnings[0]
+
+
+def test_a_multiframe_file_without_positions_keeps_its_stored_order_without_a_warning():
+    """A cine loop or an older multi-frame file: its frames' order is their order in time."""
+    frames = np.stack([slice_hu(k) + 1024 for k in (3, 1, 2)])
+    series = open_study(dicom_bytes(make_dicom(frames, RescaleSlope=1, RescaleIntercept=-1024))).series[0]
+    assert [slice_shown(series.render(READ_BACK, i)) for i in range(3)] == [3, 1, 2]
+    assert series.positions_mm == [None] * 3 and series.warnings == []
+
+
+def test_slices_of_another_size_in_a_series_are_said():
+    """A localiser filed with its stack, or another field of view: scrolling jumps in scale."""
+    study_uid, series_uid = pydicom.uid.generate_uid(), pydicom.uid.generate_uid()
+    files = ct_series(5, series_uid=series_uid, study_uid=study_uid)
+    small = make_dicom(slice_hu(5, size=48) + 1024, RescaleSlope=1, RescaleIntercept=-1024,
+                       StudyInstanceUID=study_uid, SeriesInstanceUID=series_uid, InstanceNumber=6,
+                       ImageOrientationPatient=[1.0, 0, 0, 0, 1, 0], ImagePositionPatient=[0.0, 0, -37.5])
+    series = open_study(files + [dicom_bytes(small)]).series[0]
+    assert series.frame_count == 6
+    assert series.warnings == ["1 of the 6 slices differs in size from the rest (64×64 pixels): perhaps a localiser "
+                               "or another field of view; each is shown at its own size."]
+    assert open_study(files).series[0].warnings == []

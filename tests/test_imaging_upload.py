@@ -100,6 +100,7 @@ BAD_INPUTS = {
     "structured report": (lambda: dicom_without_pixels("1.2.840.10008.5.1.4.1.1.88.33"),
                           "This DICOM file is a Structured Report and holds no image"),
     "dicom without preamble": (lambda: ct_from_hu()[132:], "without the standard file header"),
+    "dicom with its marker but no preamble": (lambda: ct_from_hu()[128:], "without the standard file header"),
     "png bomb (header)": (lambda: png_claiming(100_000, 100_000), "too large to open safely \\(it declares 10,000 million"),
     "png bomb (zlib)": (lambda: zlib_bomb_png(8000), "too large"),
     "dicom 100000 x 100000": (lambda: dicom_claiming(100_000, 100_000), "too large"),

@@ -100,3 +100,40 @@ def test_a_centre_that_is_float_noise_beside_the_width_is_said_as_zero():
 
     assert Window(2.33058e-12, 1.0, "user").describe() == "user window (C 0 / W 1)"
     assert Window(0.25, 1.0, "user").describe() == "user window (C 0.25 / W 1)"
+
+
+def test_presentation_lut_shape_inverse_inverts_monochrome2_once_and_monochrome1_not_twice():
+    """PS3.3 C.11.6.1.2: a MONOCHROME2 image with Presentation LUT Shape INVERSE is shown inverted (a CR or
+    secondary capture may be written so); MONOCHROME1 with INVERSE, the pairing a DX must use, is inverted
+    once, as MONOCHROME1 alone is; IDENTITY changes nothing."""
+    normal = load_scan(ct_from_hu(), window="abdomen").pixels
+    inverse = load_scan(ct_from_hu(PresentationLUTShape="INVERSE"), window="abdomen").pixels
+    np.testing.assert_array_equal(inverse, 255 - normal)
+    identity = load_scan(ct_from_hu(PresentationLUTShape="IDENTITY"), window="abdomen").pixels
+    np.testing.assert_array_equal(identity, normal)
+    dx_pairing = load_scan(ct_from_hu(PhotometricInterpretation="MONOCHROME1", PresentationLUTShape="INVERSE"),
+                           window="abdomen").pixels
+    np.testing.assert_array_equal(dx_pairing, 255 - normal)
+
+
+def test_pixel_padding_is_left_out_of_the_automatic_window():
+    """PS3.3 C.7.5.1.1.2: pixels at the Pixel Padding Value (here -2000 HU outside a CT's round field of
+    view) are not image data: the automatic window is the one the field of view alone gets."""
+    y, x = np.mgrid[0:64, 0:64]
+    inside = (y - 32) ** 2 + (x - 32) ** 2 <= 28 ** 2
+    hu = np.where(inside, (x * 40 - 1000), -2000)
+    stored = hu + 1024
+    with_padding = make_dicom(stored, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024,
+                              PixelPaddingValue=-2000 + 1024)
+    without_tag = make_dicom(stored, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024)
+    padded_window = load_scan(dicom_bytes(with_padding)).window
+    counted_window = load_scan(dicom_bytes(without_tag)).window
+    low, high = np.percentile(hu[inside], [0.5, 99.5])
+    assert padded_window.name == "auto-percentile"
+    assert padded_window.center == pytest.approx((low + high) / 2, abs=1)
+    assert padded_window.width == pytest.approx(high - low, abs=1)
+    assert counted_window.width > padded_window.width + 500  # -2000 pulled the unpadded one down
+    # A range (Pixel Padding Range Limit) is padding too, from either end.
+    ranged = make_dicom(stored, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024,
+                        PixelPaddingValue=-2000 + 1024, PixelPaddingRangeLimit=-1500 + 1024)
+    assert load_scan(dicom_bytes(ranged)).window == padded_window

@@ -37,7 +37,8 @@ _PIXEL_DATA_KEYWORDS = ("PixelData", "FloatPixelData", "DoubleFloatPixelData")
 _PIXEL_KEYWORDS = (
     "SamplesPerPixel", "PhotometricInterpretation", "PlanarConfiguration", "NumberOfFrames",
     "Rows", "Columns", "BitsAllocated", "BitsStored", "HighBit", "PixelRepresentation",
-    "RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth", "VOILUTFunction",
+    "RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth", "VOILUTFunction", "PresentationLUTShape",
+    "PixelPaddingValue", "PixelPaddingRangeLimit",
     "RedPaletteColorLookupTableDescriptor", "GreenPaletteColorLookupTableDescriptor",
     "BluePaletteColorLookupTableDescriptor", "RedPaletteColorLookupTableData",
     "GreenPaletteColorLookupTableData", "BluePaletteColorLookupTableData",
@@ -92,6 +93,9 @@ class _Placement:
     instance_number: int | None
     copy_key: bytes | None = field(repr=False)  # a digest of SOPInstanceUID and pixel data, equal for copies
     patient_key: bytes | None = field(default=None, repr=False)  # a keyed digest of PatientID (_patient_key)
+    # An enhanced multi-frame file's frames, in stored order: each one's orientation and position from its
+    # Plane Orientation and Plane Position functional groups (PS3.3 C.7.6.16.2.1-2); None for other files.
+    frames: tuple[tuple[tuple[float, ...] | None, tuple[float, ...] | None], ...] | None = None
 
 
 def _placement(ds: Dataset) -> _Placement:
@@ -104,7 +108,28 @@ def _placement(ds: Dataset) -> _Placement:
         instance_number=int(instance) if isinstance(instance, int) and not isinstance(instance, bool) else None,
         copy_key=_copy_key(ds),
         patient_key=_patient_key(ds),
+        frames=_frame_planes(ds),
     )
+
+
+def _frame_planes(ds: Dataset) -> tuple[tuple[tuple[float, ...] | None, tuple[float, ...] | None], ...] | None:
+    """(orientation, position) of each frame of an enhanced multi-frame file, a per-frame group's over the
+    shared one's; None where the file has no functional groups."""
+    shared = ds.get("SharedFunctionalGroupsSequence")
+    per_frame = ds.get("PerFrameFunctionalGroupsSequence")
+    if not per_frame:
+        return None
+
+    def plane(group: Dataset | None, sequence: str, keyword: str, count: int) -> tuple[float, ...] | None:
+        items = group.get(sequence) if group is not None else None
+        return _numbers(_value_or_none(items[0], keyword), count) if items else None
+
+    common = shared[0] if shared else None
+    return tuple((plane(group, "PlaneOrientationSequence", "ImageOrientationPatient", 6)
+                  or plane(common, "PlaneOrientationSequence", "ImageOrientationPatient", 6),
+                  plane(group, "PlanePositionSequence", "ImagePositionPatient", 3)
+                  or plane(common, "PlanePositionSequence", "ImagePositionPatient", 3))
+                 for group in per_frame)
 
 
 def _copy_key(ds: Dataset) -> bytes | None:

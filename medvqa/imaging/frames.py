@@ -73,8 +73,8 @@ class _DicomFrames(_LastFrame):
             file_window, voi_lut = _guarded(_DAMAGED_PIXELS, _file_window, ds)
             if file_window is None and _is_plain_8_bit(ds, header):
                 file_window = _AS_STORED
-            return _Frame(values=values, is_color=False, invert=photometric == "MONOCHROME1",
-                          file_window=file_window, voi_lut=voi_lut)
+            return _Frame(values=values, is_color=False, invert=_shown_inverted(photometric, ds),
+                          file_window=file_window, voi_lut=voi_lut, padding=_padding(arr, ds))
         if photometric == "PALETTE COLOR":
             rgb = _guarded(_DAMAGED_PIXELS, apply_color_lut, arr, ds)
             return _Frame(values=rgb, is_color=True, white=float(np.iinfo(rgb.dtype).max))
@@ -148,3 +148,25 @@ def _is_plain_8_bit(ds: Dataset, header: _PixelHeader) -> bool:
     slope, intercept = _first_number(ds.get("RescaleSlope")), _first_number(ds.get("RescaleIntercept"))
     identity = slope in (None, 1.0) and intercept in (None, 0.0) and not ds.get("ModalityLUTSequence")
     return header.bits_stored == 8 and header.pixel_representation == 0 and identity
+
+
+def _shown_inverted(photometric: str, ds: Dataset) -> bool:
+    """Whether low values are shown bright: MONOCHROME1, or MONOCHROME2 with a Presentation LUT Shape of
+    INVERSE (PS3.3 C.11.6.1.2: what a CR or secondary capture may carry). MONOCHROME1 with INVERSE, the
+    pairing PS3.3 C.8.11.1.1.1 asks of a DX, is one inversion, not two."""
+    shape = str(ds.get("PresentationLUTShape", "") or "").strip().upper()
+    return photometric == "MONOCHROME1" or (photometric == "MONOCHROME2" and shape == "INVERSE")
+
+
+def _padding(stored: np.ndarray, ds: Dataset) -> np.ndarray | None:
+    """Where the stored values are the file's Pixel Padding Value, or within the range it and Pixel Padding
+    Range Limit bound (PS3.3 C.7.5.1.1.2): True there. None when no pixel is padding, or every one is."""
+    value, limit = ds.get("PixelPaddingValue"), ds.get("PixelPaddingRangeLimit")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        return None
+    if isinstance(limit, (int, np.integer)) and not isinstance(limit, bool):
+        low, high = min(value, limit), max(value, limit)
+        mask = (stored >= low) & (stored <= high)
+    else:
+        mask = stored == value
+    return mask if mask.any() and not mask.all() else None

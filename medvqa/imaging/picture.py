@@ -80,15 +80,19 @@ class _PictureFrames(_LastFrame):
 
 
 def _picture_frame(image: Image.Image, kind: str) -> _Frame:
-    if kind in ("jpeg", "tiff"):
-        # A viewer honours the EXIF orientation of a photographed film; a damaged tag is ignored.
+    # TIFF's WhiteIsZero (PhotometricInterpretation 0, TIFF 6.0): Pillow inverts an 8-bit page itself, not
+    # a 16-bit or float one, which is then shown inverted, as a DICOM's MONOCHROME1 is.
+    white_is_zero = kind == "tiff" and getattr(image, "tag_v2", {}).get(262) == 0
+    if kind in ("jpeg", "tiff", "png"):
+        # A viewer (a browser too, for a PNG's eXIf chunk) honours the EXIF orientation of a photographed
+        # film; a damaged tag is ignored.
         try:
             image = ImageOps.exif_transpose(image)
         except Exception:  # noqa: BLE001 - untrusted EXIF; an unrotated image is still correct data
             pass
     mode = image.mode
     if mode in _HIGH_DEPTH_GRAY:
-        return _Frame(values=np.asarray(image), is_color=False)
+        return _Frame(values=np.asarray(image), is_color=False, invert=white_is_zero)
     if mode in ("1", "L"):
         return _Frame(values=np.asarray(image.convert("L")), is_color=False, file_window=_AS_STORED)
     if mode in ("LA", "La"):

@@ -169,7 +169,7 @@ class ScanSource:
     def _resolve_window(self, window: Window | str | None, decoded: _Frame) -> Window | None:
         if isinstance(window, str):
             if window == "auto":
-                return None if decoded.is_color else _auto_window(decoded.values)
+                return None if decoded.is_color else _auto_window(decoded.values, decoded.padding)
             if window == "file":
                 window = None
             elif window in WINDOW_PRESETS:

@@ -210,9 +210,8 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
     elif studies > 1:  # counted, never named: a UID identifies the study
         notes.insert(0, f"These files come from {studies} different studies, so perhaps from different patients: "
                         "check that they belong together.")
-    ordered = [_ordered(members) for members in groups.values()]
-    ordered += [([_Slice(s.source, frame, None, s.order) for frame in range(s.source.frame_count)],
-                 [None] * s.source.frame_count, []) for s in single]
+    ordered = [_with_size_warning(*_ordered(members)) for members in groups.values()]
+    ordered += [_frames_ordered(s) for s in single]
     ordered.sort(key=lambda group: (-len(group[0]), min(s.order for s in group[0])))
     return Study([Series(number, *group) for number, group in enumerate(ordered, start=1)], notes, patients)
 
@@ -220,6 +219,33 @@ def _open_study(items: list, limits: ScanLimits) -> Study:
 def _series_of_frames(number: int, source: ScanSource) -> Series:
     count = source.frame_count
     return Series(number, [_Slice(source, frame, None, 0) for frame in range(count)], [None] * count, [])
+
+
+def _frames_ordered(file: _Slice) -> tuple[list[_Slice], list[float | None], list[str]]:
+    """A multi-frame file's frames in display order, as `_ordered` gives a series' slices. An enhanced
+    file's frames are ordered along the slice normal by their own positions (they may be stored in any
+    order, PS3.3 C.7.6.16.2.2); frames without positions (a cine loop, an older multi-frame) stay in stored
+    order, which is then their order in time."""
+    count = file.source.frame_count
+    stored = [_Slice(file.source, frame, None, frame) for frame in range(count)]
+    planes = file.placement.frames if file.placement is not None else None
+    if planes is None or len(planes) != count or any(None in plane for plane in planes):
+        return stored, [None] * count, []
+    frames = [_Slice(file.source, frame, dataclasses.replace(file.placement, orientation=orientation,
+                                                             position=position, instance_number=None, frames=None),
+                     frame) for frame, (orientation, position) in enumerate(planes)]
+    orientations = _distinct_orientations(frames)
+    if len(orientations) > 1:
+        return stored, [None] * count, [
+            f"The frames of this file lie in {len(orientations)} different orientations, so they cannot be "
+            "ordered by position: they are shown in the order the file stores them, and it may not be a stack."]
+    positions = [_position_along_normal(f.placement) for f in frames]
+    if None in positions:
+        return stored, [None] * count, []
+    order = sorted(range(count), key=lambda i: (positions[i], i))
+    frames = [dataclasses.replace(frames[i], placement=None) for i in order]
+    positions = [round(positions[i], 2) for i in order]
+    return frames, positions, _spacing_warnings(positions)
 
 
 def _ordered(members: list[_Slice]) -> tuple[list[_Slice], list[float | None], list[str]]:
@@ -241,6 +267,19 @@ def _ordered(members: list[_Slice]) -> tuple[list[_Slice], list[float | None], l
     order = sorted(range(len(members)), key=lambda i: (positions[i], by_instance.index(members[i])))
     slices, positions = [members[i] for i in order], [round(positions[i], 2) for i in order]
     return slices, positions, _spacing_warnings(positions)
+
+
+def _with_size_warning(slices: list[_Slice], positions: list[float | None],
+                       warnings: list[str]) -> tuple[list[_Slice], list[float | None], list[str]]:
+    """`_ordered`'s result, with a word when its slices are not all one size (a localiser filed with the
+    stack, or another field of view): scrolling then jumps in scale."""
+    sizes = Counter((s.source.safe_meta.get("Columns"), s.source.safe_meta.get("Rows")) for s in slices)
+    if len(sizes) > 1:
+        (columns, rows), usual = sizes.most_common(1)[0]
+        other = len(slices) - usual
+        warnings = [*warnings, f"{other} of the {len(slices)} slices {'differs' if other == 1 else 'differ'} in size from the rest ({columns}×{rows} "
+                               "pixels): perhaps a localiser or another field of view; each is shown at its own size."]
+    return slices, positions, warnings
 
 
 def _distinct_orientations(members: list[_Slice]) -> list[tuple[float, ...]]:

@@ -140,6 +140,8 @@ def _not_an_image_message(raw: bytes) -> str:
 
 
 def _looks_like_headerless_dicom(raw: bytes) -> bool:
+    if raw[:4] == b"DICM" and raw[4:6] == b"\x02\x00":  # the marker and file meta, but no preamble before them
+        return True
     # A raw dataset starts with a group 0002 or 0008 tag, then (explicit VR) two letters.
     little, big = raw[:2] in (b"\x02\x00", b"\x08\x00"), raw[:2] in (b"\x00\x02", b"\x00\x08")
     return (little or big) and len(raw) >= 8 and (raw[4:6].isalpha() or raw[6:8] == b"\x00\x00")

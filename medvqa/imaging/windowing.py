@@ -71,6 +71,9 @@ class _Frame:
     white: float = 255.0  # colour only: the stored value shown as full intensity
     file_window: Window | None = None  # the file's own VOI for this frame, if any
     voi_lut: Dataset | None = None  # holds the VOI LUT Sequence when file_window is "file-lut"
+    # (H, W) bool: the pixels a DICOM's Pixel Padding Value marks as no image (outside a CT's field of
+    # view, PS3.3 C.7.5.1.1.2), left out of the automatic window; None where there are none.
+    padding: np.ndarray | None = None
     # Integer data spanning under 65536 levels (nearly all images) is also kept as level indexes,
     # so that a window is computed once per level rather than once per pixel (see _to_rgb8). 8-bit
     # values are their own indexes (no copy: a uint16 one would hold twice the pixels' bytes).
@@ -119,8 +122,8 @@ class _LastFrame:
         if cached is None:
             return 0
         frame = cached[1]
-        return frame.values.nbytes + (frame.levels.nbytes if frame.levels is not None and frame.levels is not frame.values
-                                      else 0)
+        return (frame.values.nbytes + (frame.levels.nbytes if frame.levels is not None and frame.levels is not frame.values
+                                       else 0) + (frame.padding.nbytes if frame.padding is not None else 0))
 
 
 def _default_window(decoded: _Frame) -> Window | None:
@@ -129,7 +132,7 @@ def _default_window(decoded: _Frame) -> Window | None:
         return None
     if decoded.file_window is not None:
         return decoded.file_window
-    return _auto_window(decoded.values)
+    return _auto_window(decoded.values, decoded.padding)
 
 
 # Mean absolute difference between neighbouring RGB channels (of 255) above which an image has colour.
@@ -163,11 +166,15 @@ def _value_range(decoded: _Frame) -> tuple[float, float] | None:
     return float(values.min()), float(values.max())
 
 
-def _auto_window(values: np.ndarray) -> Window:
-    """A window over the 0.5-99.5 percentile range: robust to a few hot or dead pixels."""
+def _auto_window(values: np.ndarray, padding: np.ndarray | None = None) -> Window:
+    """A window over the 0.5-99.5 percentile range: robust to a few hot or dead pixels. Padding pixels
+    (`padding`, True where the file says there is no image) are not counted."""
     # A window needs only the shape of the histogram: a strided sample of at most ~1 M values
     # gives the same percentiles to within a grey level, in a fraction of the time.
-    sample = values.ravel()[:: max(1, values.size // 2**20)]
+    step = max(1, values.size // 2**20)
+    sample = values.ravel()[::step]
+    if padding is not None:
+        sample = sample[~padding.ravel()[::step]]
     finite = sample[np.isfinite(sample)]
     low, high = (np.percentile(finite, [0.5, 99.5]) if finite.size else (0.0, 1.0))
     width = float(high - low) if high > low else 1.0
