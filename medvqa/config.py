@@ -197,7 +197,10 @@ class RetrievalConfig:
     top_k: int = 3  # passages handed to the decoder
     rrf_k: int = 60  # reciprocal rank fusion constant
     dense_weight: float = 1.0  # weight of the dense ranking in the fusion
-    bm25_weight: float = 1.0  # weight of the BM25 ranking in the fusion
+    bm25_weight: float = 1.0  # weight of the BM25 ranking in the fusion (0: the dense ranking alone)
+    # Append the scan's modality and body part (its safe metadata) to the question the dense retriever
+    # encodes, e.g. "Is there an effusion? [CT, chest]" (retrieval/search.py enrich_query); False: the question alone.
+    enrich_query: bool = True
     # The relevance cut-offs below are in the embedder's score units (cosine for MiniLM, raw inner product
     # for MedCPT) and belong to one embedder: an index's manifest may carry calibrated ones
     # (scripts/calibrate_retrieval.py --write), which then replace these. MiniLM's are as measured.
@@ -336,9 +339,12 @@ def _llava_med_profile(cache_dir: str) -> Settings:
         # --conv-mode mistral_instruct, nothing added; every question generated, closed ones too (no
         # option scoring, so no confidence: "not measured"); up to 1024 new tokens; fp16 on a GPU, as its
         # builder loads the model. Its context is 2048 tokens (the checkpoint's tokenizer_model_max_length,
-        # and the reference builder's context_len). Greedy (temperature 0): the reference script samples
-        # at 0.2 with seed 0 unless given --temperature 0; greedy is this project's evaluation rule.
-        decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=2048,
+        # and the reference builder's context_len): the reference cuts its input there (llava_arch.py) and then
+        # generates up to 1024 tokens more, so the window here holds 2048 of prompt and 1024 of answer. Where
+        # the reference would cut an over-long input's end, the app leaves the oldest turns out and says so.
+        # Greedy (temperature 0), as the README's evaluation command runs model_vqa.py (--temperature 0.0;
+        # the script's own default samples at 0.2).
+        decoder=DecoderConfig(name_or_path="microsoft/llava-med-v1.5-mistral-7b", context_window=2048 + 1024,
                               max_new_tokens=1024, model_class="MistralForCausalLM",
                               conversation_format="mistral_instruct", window_in_prompt=False,
                               constrained_closed=False),

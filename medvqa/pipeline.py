@@ -94,6 +94,9 @@ class Done:
     # "abstained" (the app said "Uncertain" and named this answer as its leaning), and "uncalibrated" (why the
     # file is not used) when it is not}; None for an answer written freely.
     open_choice: dict | None = None
+    # How many of the oldest earlier turns the prompt left out because the conversation no longer fits the
+    # decoder's context (PromptBuilder.build); the answer did not read them.
+    dropped_turns: int = 0
 
 
 @dataclass
@@ -478,7 +481,7 @@ class Pipeline(ClosedQuestions):
         tracker.done(timings, len(answer_parts), closed, open_choice)
         conversation.history.append(Turn(question, answer, prompt_passages))
         yield Done(answer, passages, conversation.window, timings, in_prompt, support, closed, confidence_note,
-                   head_open, open_choice)
+                   head_open, open_choice, prompt.dropped_turns)
         # Runs once the caller has taken Done (and shown the whole answer): while the clinician reads
         # and types, the engine caches the start of the next turn, so the next question only has its
         # own words to prefill.

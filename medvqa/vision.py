@@ -93,8 +93,9 @@ class VisionEncoder(nn.Module):
 def pad_to_square(image: np.ndarray, fill: tuple[int, int, int] = (0, 0, 0)) -> np.ndarray:
     """Centre an (H, W, 3) image on a square canvas of colour `fill`; anatomy is never cropped.
 
-    LLaVA's expand2square places the image at a random offset of (side - short) // 2 or one more in
-    training; centring at (side - short) // 2 is its evaluation-time choice made deterministic."""
+    LLaVA-Med's expand2square (llava/mm_utils.py) places the image at a random offset of (side - short) // 2
+    or one more, at evaluation too (model_vqa.py pads through it); this takes the first, deterministically
+    (upstream LLaVA's centring), a difference of one pixel, not measured (docs/operations.md)."""
     height, width = image.shape[:2]
     side = max(height, width)
     canvas = np.empty((side, side, 3), dtype=np.uint8)

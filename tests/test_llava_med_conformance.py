@@ -134,6 +134,14 @@ def test_the_profile_defaults_are_the_references():
         assert settings.retrieval.prompt_gate == "never" and settings.decoder.constrained_closed is False
         assert settings.dtype == "float16_on_gpu" and settings.decoder.temperature == 0.0
     assert load_settings("llava-med", env={}).decoder.max_new_tokens == 1024
+    # Greedy: top_p is read only when sampling, and is then the reference's 1.0 (model_vqa.py passes --top_p None).
+    assert load_settings("llava-med", env={}).decoder.top_p == 1.0
+    # builder.py's vision tower: CLIP ViT-L/14 at 336 px, mm_vision_select_layer -2, patches only ("patch"),
+    # images padded to a square with the processor's mean (image_aspect_ratio "pad").
+    vision = load_settings("llava-med", env={}).vision
+    assert (vision.kind, vision.name_or_path, vision.image_size) == ("clip", "openai/clip-vit-large-patch14-336", 336)
+    assert vision.feature_layer == -2 and vision.pad == "mean" and vision.pooled_tokens == 0
+    assert load_settings("tiny-llava-med", env={}).vision.feature_layer == -2
     for device in ("cuda", "mps"):
         assert pick_dtype(torch.device(device), "float16_on_gpu") == torch.float16
     assert pick_dtype(torch.device("cpu"), "float16_on_gpu") == torch.float32  # no fp16 matmuls on a CPU
@@ -234,7 +242,7 @@ def test_images_are_padded_with_the_clip_mean_as_llava_pads_them(llava_pipeline)
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
                                    image_mean=list(vision.mean), image_std=list(vision.std), resample=3)
     expected = processor(images=square, return_tensors="pt")["pixel_values"]
-    torch.testing.assert_close(vision.preprocess([image]), expected, atol=2e-2, rtol=0)
+    torch.testing.assert_close(vision.preprocess([image]), expected, atol=1e-5, rtol=0)
     corner = vision.preprocess([image])[0, :, 0, 0]  # padding, normalised: the mean maps to about 0
     assert float(corner.abs().max()) < 0.02
 
@@ -303,7 +311,7 @@ def test_the_exported_processor_pads_a_non_square_image_as_the_app(llava_pipelin
     image = _image(8, shape=(40, 24))  # taller than wide
     exported = AutoProcessor.from_pretrained(folder).image_processor(images=image, return_tensors="pt")["pixel_values"]
     ours = vision.preprocess([image])
-    torch.testing.assert_close(exported, ours, atol=2e-2, rtol=0)
+    torch.testing.assert_close(exported, ours, atol=1e-5, rtol=0)
     cropped = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
                                  image_mean=list(vision.mean), image_std=list(vision.std))(
         images=image, return_tensors="pt")["pixel_values"]
@@ -446,8 +454,32 @@ def test_4_bit_loading_is_the_references_nf4():
     assert config.bnb_4bit_compute_dtype == torch.float16
 
 
-def test_the_context_window_is_the_checkpoints():
-    assert load_settings("llava-med", env={}).decoder.context_window == 2048
+def test_the_prompt_may_use_the_checkpoints_2048_tokens_and_the_answer_1024_more():
+    """The reference cuts its input at tokenizer_model_max_length (2048, llava_arch.py) and generates up to
+    1024 tokens after it: the answer's tokens are not taken out of the prompt's."""
+    from medvqa.prompt import PromptBuilder
+
+    decoder = load_settings("llava-med", env={}).decoder
+    builder = PromptBuilder(None, 576, decoder.context_window, reserve_for_answer=decoder.max_new_tokens)
+    assert builder.context_window - builder.reserve_for_answer == 2048
+
+
+def test_the_tiny_profile_reads_the_penultimate_layer_without_cls(llava_pipeline):
+    """mm_vision_select_layer -2 and select_feature "patch" (clip_encoder.py), on the tiny CLIP."""
+    vision = llava_pipeline.model.vision
+    pixels = vision.preprocess([_image(3)])
+    with torch.no_grad():
+        hidden = vision.tower(pixel_values=pixels, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(vision.encode(pixels), hidden[-2][:, 1:])
+
+
+def test_the_projector_is_mlp2x_gelu_with_the_exact_gelu(llava_pipeline):
+    """multimodal_projector/builder.py: Linear, nn.GELU() (erf, not the tanh approximation), Linear."""
+    projector = llava_pipeline.model.projector
+    assert isinstance(projector.act, torch.nn.GELU) and projector.act.approximate == "none"
+    features = torch.randn(1, 3, projector.linear_1.in_features)
+    expected = projector.linear_2(torch.nn.functional.gelu(projector.linear_1(features)))
+    torch.testing.assert_close(projector(features), expected)
 
 
 def test_apple_silicon_gets_mps_in_half_precision(monkeypatch):

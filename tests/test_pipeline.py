@@ -3,6 +3,8 @@ conversations and their caches, the prompt gate."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -340,3 +342,32 @@ def test_the_prompt_puts_the_image_where_the_projector_was_trained_to_read_it(ti
     second = pipeline.prompts.build("Which side?", conversation.history)
     assert sum(second.image_mask) == tiny_pipeline.model.vision.num_tokens
     assert second.text.index("Is there an effusion?") < second.text.index("<image>") < second.text.index("Which side?")
+
+
+def test_an_answer_says_how_many_earlier_turns_did_not_fit_the_context(tiny_pipeline):
+    """A conversation longer than the decoder's context: the oldest turns are left out of the prompt, and
+    Done, the chat, the transcript and its Markdown say how many the answer did not read."""
+    from medvqa.prompt import Turn
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+    from medvqa.ui.transcript import _transcript_record, export_markdown
+
+    conversation = Conversation(image=_image(5), history=[Turn("What is shown? " * 30, "An image. " * 30)
+                                                          for _ in range(10)])
+    done = list(tiny_pipeline.ask(conversation, "Is there an effusion?", max_new_tokens=3, constrained=False,
+                                  warm=False))[-1]
+    assert isinstance(done, Done) and done.dropped_turns > 0
+    short = list(tiny_pipeline.ask(Conversation(image=_image(5)), "Is there an effusion?", max_new_tokens=3,
+                                   constrained=False, warm=False))[-1]
+    assert short.dropped_turns == 0
+    scan = SimpleNamespace(frame_index=0, series=None, describe_window=lambda: "")
+    answer = _Answer("Is there an effusion?", scan, text=done.answer, dropped_turns=done.dropped_turns)
+    said = f"did not read the conversation's first {done.dropped_turns} turns"
+    assert said in _render_answer(answer, final=True)
+    assert said not in _render_answer(_Answer("q", scan=None, text="Yes"), final=True)
+    scan = SimpleNamespace(frame_index=0, series=None, describe_window=lambda: "")
+    turns = [answer.record(), _Answer("q", scan, text="Yes").record()]
+    assert turns[0]["earlier_turns_not_read"] == done.dropped_turns and "earlier_turns_not_read" not in turns[1]
+    source = SimpleNamespace(source_format="png", frame_count=1, safe_meta={})
+    record = _transcript_record(SimpleNamespace(source=source, study=None, turns=turns), SimpleNamespace(profile="tiny"))
+    assert export_markdown(record).count(said) == 1

@@ -215,6 +215,20 @@ def test_safe_meta_enriches_the_query():
     assert enrich_query("q", {"modality": "MR<script>"}) == "q [MR script]"
 
 
+def test_with_enrich_query_off_the_dense_retriever_reads_the_question_alone(retriever):
+    """retrieval.enrich_query false: the scan's modality and body part change nothing; on (the default) they
+    change the dense query's scores."""
+    import copy
+    from dataclasses import replace
+
+    meta = {"Modality": "CT", "BodyPartExamined": "CHEST"}
+    alone = copy.copy(retriever)
+    alone.config = replace(retriever.config, enrich_query=False)
+    bare = retriever.rank("Is there a pleural effusion?")
+    assert alone.rank("Is there a pleural effusion?", meta).dense_scores == bare.dense_scores
+    assert retriever.rank("Is there a pleural effusion?", meta).dense_scores != bare.dense_scores
+
+
 def test_reciprocal_rank_fusion_rewards_agreement():
     fused = reciprocal_rank_fusion({"dense": [1, 2, 3], "bm25": [3, 4, 1]}, {"dense": 1.0, "bm25": 1.0}, k=60)
     assert [row for row, _, _ in fused][:2] == [1, 3]

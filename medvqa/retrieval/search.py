@@ -192,7 +192,7 @@ class Retriever:
         question = sanitize_query(query)
         if not question:
             return Ranking(question_vector=None)
-        enriched = enrich_query(question, safe_meta)
+        enriched = enrich_query(question, safe_meta) if self.config.enrich_query else question
         texts = [enriched] if enriched == question else [enriched, question]
         with query_threads(self.config.query_threads):
             vectors = self.embedder.encode(texts)  # (1 or 2, d)

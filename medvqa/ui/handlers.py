@@ -230,7 +230,7 @@ class _Handlers(_ScanHandlers):
                     answer.text, answer.passages, answer.window = event.answer, list(event.passages), event.window
                     answer.support, answer.closed = list(event.support), event.closed
                     answer.confidence_note, answer.head_open = event.confidence_note, event.head_open
-                    answer.open_choice = event.open_choice
+                    answer.open_choice, answer.dropped_turns = event.open_choice, event.dropped_turns
                     answer.injection = finding
                     reply["content"] = _render_answer(answer, final=True)
                     session.turns.append(answer.record())

@@ -79,8 +79,17 @@ def _render_answer(answer: _Answer, final: bool) -> str:
                     or (answer.open_choice and answer.open_choice.get("abstained")))
     if withheld:  # set apart from a given answer by a bar beside it (page.PAGE_CSS), not by colour alone
         body = f'<div class="medvqa-withheld">\n\n{body}\n\n</div>'
+    if answer.dropped_turns:
+        confidence += f'<div class="medvqa-confidence">{html.escape(dropped_turns_note(answer.dropped_turns), quote=False)}</div>\n\n'
     return body + "\n\n" + confidence + reliance + warning + _sources_html(answer.passages, answer.note, answer.in_prompt,
                                                                 answer.support, withheld)
+
+
+def dropped_turns_note(count: int) -> str:
+    """What an answer says when the prompt left out the conversation's oldest turns (Done.dropped_turns)."""
+    turns = "turn" if count == 1 else f"{count} turns"
+    return (f"This answer did not read the conversation's first {turns}: the conversation no longer fits the "
+            "model's context, which keeps the scan, the question and the latest turns.")
 
 
 def _confidence_html(closed: dict) -> str:

@@ -204,6 +204,7 @@ class _Answer:
     refused: bool = False  # the pipeline refused the question (too long): it goes back to the question box
     head_open: dict | None = None  # an open question's answer head reading (Done.head_open)
     open_choice: dict | None = None  # an open answer the decoder chose among training answers (Done.open_choice)
+    dropped_turns: int = 0  # the oldest earlier turns the prompt left out, not fitting the context (Done.dropped_turns)
     reply: dict | None = field(default=None, repr=False, compare=False)  # the chat message that shows it
 
     def _marks(self) -> list:
@@ -245,6 +246,7 @@ class _Answer:
                 **({"image_reliance": {"flagged": bool(self.closed["flagged"]),
                                        "answer_without_image": str(self.closed["without_image"])}}
                    if self.closed and "flagged" in self.closed else {}),
+                **({"earlier_turns_not_read": self.dropped_turns} if self.dropped_turns else {}),
                 "citations_read_by_model": self.in_prompt,
                 **({"note": self.note} if not self.passages and self.note else {}),
                 **({"injection": self.injection.record()} if self.injection is not None else {})}

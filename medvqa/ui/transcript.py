@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..confidence import confidence_text
 from ..imaging import burned_in
 from ..safe_text import inert, safe_url
-from .render import _escape_model_text
+from .render import _escape_model_text, dropped_turns_note
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -91,6 +91,8 @@ def export_markdown(record: dict) -> str:
                 lines[-2:-2] = [f"- {_escape_model_text(turn['closed']['reading'])}"]  # before the confidence
         if turn.get("answered_by"):
             lines += [f"- {_escape_model_text(turn['answered_by']['note'])}", ""]
+        if turn.get("earlier_turns_not_read"):
+            lines += [f"- {dropped_turns_note(int(turn['earlier_turns_not_read']))}", ""]
         if turn.get("injection"):
             lines += [f"**Warning:** {_escape_model_text(turn['injection']['warning'])}", ""]
         if turn["citations"]:
