@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if pipeline.retrieval_unavailable:
+        print(f"warning: literature retrieval is unavailable, serving without it: {pipeline.retrieval_unavailable}",
+              file=sys.stderr)
     if auth is None and not is_loopback(args.host):
         print(f"warning: listening on {args.host} without a login (--insecure-no-login).", file=sys.stderr)
     pacs = None

@@ -240,6 +240,9 @@ def _ask(args) -> int:
         # weights; a traceback adds nothing
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if pipeline.retrieval_unavailable:
+        print(f"warning: literature retrieval is unavailable, answering without it: {pipeline.retrieval_unavailable}",
+              file=sys.stderr)
     if burned_in(scan.safe_meta):
         print(f"warning: {BURNED_IN_NOTE}", file=sys.stderr)
     conversation = pipeline.new_conversation(scan)

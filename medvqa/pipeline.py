@@ -206,6 +206,7 @@ class Pipeline(ClosedQuestions):
         self.model = model  # None when the engine runs the vision side itself (a remote server)
         self.retriever = retriever
         self.index_build = None  # retrieval.background.IndexBuild while the index is built beside the app
+        self.retrieval_unavailable = ""  # why the index asked for could not be opened (Pipeline.load), if so
         # An engine with no tokenizer renders its own template: prompts are then the messages alone.
         self.prompts = PromptBuilder(engine.tokenizer, model.num_image_tokens if model else 0,
                                      settings.decoder.context_window,
@@ -255,9 +256,9 @@ class Pipeline(ClosedQuestions):
         engine = load_engine(settings, device, dtype)
         model = VisionLanguageModel.load(settings, device, dtype, engine.hidden_size) \
             if engine.takes_image_tokens else None
-        retriever, build = None, None
+        retriever, build, unavailable = None, None, ""
         if with_retrieval if with_retrieval is not None else settings.retrieval.enabled:
-            from .retrieval import Retriever, ensure_default_index
+            from .retrieval import RetrievalError, Retriever, ensure_default_index
             from .retrieval.index import check_buildable, default_index_ready
 
             if index_in_background and not default_index_ready(settings.retrieval):
@@ -266,12 +267,18 @@ class Pipeline(ClosedQuestions):
 
                 build = IndexBuild(settings.retrieval)
             else:
-                ensure_default_index(settings.retrieval, progress=progress)
-                retriever = Retriever.open(settings.retrieval)
-                from .assertion import warm
+                try:
+                    ensure_default_index(settings.retrieval, progress=progress)
+                    retriever = Retriever.open(settings.retrieval)
+                except RetrievalError as error:  # a damaged or mismatched index: answers without sources, said
+                    unavailable = str(error)
+                    log.info("literature retrieval is unavailable: %s", error)  # (callers say it)
+                else:
+                    from .assertion import warm
 
-                warm()  # passages get support marks: load their sentence check before the first answer
+                    warm()  # passages get support marks: load their sentence check before the first answer
         pipeline = cls(settings, engine, model, retriever, metrics)
+        pipeline.retrieval_unavailable = unavailable
         if build is not None:
             pipeline.index_build = build
             build.on_ready = pipeline._index_ready
@@ -289,6 +296,8 @@ class Pipeline(ClosedQuestions):
         if build is not None and build.state != "ready":
             return f"off until its index is built — the index is {build.describe()}" if build.building else \
                 f"off — the literature index {build.describe()}"
+        if self.retrieval_unavailable:
+            return "off — the literature index could not be opened (the server's log says why)"
         return "off — answers are not grounded in literature"
 
     # --- conversations ---------------------------------------------------------------------------
@@ -328,6 +337,8 @@ class Pipeline(ClosedQuestions):
         build = self.index_build
         if build is not None and build.building:
             return f"The literature index is still {build.describe()}, so this answer has no sources."
+        if self.retrieval_unavailable:
+            return "The literature index could not be opened, so this answer has no sources."
         return "Retrieval is off."
 
     def passages_in_prompt(self, question: str) -> bool:

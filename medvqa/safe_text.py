@@ -20,6 +20,7 @@ most titles read unchanged on a terminal and in JSON.
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 # Characters that start markup anywhere in a line: HTML tags and entities, quotes (attribute values),
 # Markdown links, images, code, emphasis, strikethrough, tables, maths, and backslash escapes.
@@ -75,8 +76,37 @@ def visible(text: object) -> str:
 
 
 def safe_url(url: object) -> str:
-    """`url` when it is a plain http(s) link (the only links the app makes); otherwise ""."""
+    """`url` when it is a plain http(s) link (the only links the app makes) to a named host; otherwise "".
+    Not a link with a user name before its host ("https://pubmed.ncbi.nlm.nih.gov@evil.example/" goes to
+    evil.example) or a backslash (which browsers read as a slash, and which ends a Markdown link)."""
     if not isinstance(url, str):
         return ""
     url = url.strip()
-    return url if _HTTP_URL.fullmatch(url) else ""
+    if not _HTTP_URL.fullmatch(url) or "\\" in url:
+        return ""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return ""
+    return url if host and "@" not in parts.netloc else ""
+
+
+# Where PubMed and PubMed Central records live: a source on any other host has its host shown beside it.
+PUBMED_HOSTS = frozenset({"pubmed.ncbi.nlm.nih.gov", "www.ncbi.nlm.nih.gov", "ncbi.nlm.nih.gov"})
+PMC_HOSTS = frozenset({"pmc.ncbi.nlm.nih.gov", "www.ncbi.nlm.nih.gov", "ncbi.nlm.nih.gov"})
+
+
+def link_host(url: object) -> str:
+    """The host a link opens (lower case), "" for a URL safe_url refuses."""
+    url = safe_url(url)
+    return (urlsplit(url).hostname or "").lower() if url else ""
+
+
+def other_host(url: object) -> str:
+    """The host of a source's link when it is not PubMed's or PMC's (shown beside the source, so a link
+    to another site, or to a look-alike such as pubmed.ncbi.nlm.nih.gov.example.org, says where it goes);
+    "" for a PubMed or PMC link, or no link."""
+    host = link_host(url)
+    return "" if not host or host in PUBMED_HOSTS | PMC_HOSTS else host

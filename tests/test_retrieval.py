@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from medvqa.config import RetrievalConfig
@@ -255,6 +256,9 @@ def test_empty_corpus_names_the_file(tmp_path):
     ('{"id": "<img src=x onerror=alert(1)>", "text": "t", "url": "https://x.org"}', "may only hold letters, digits"),
     ('{"id": "a b", "text": "t", "url": "https://x.org"}', "may only hold letters, digits"),
     ('{"id": "b", "text": "t", "url": "https://x.org/\\u001b[2J"}', "must be an http"),
+    # A user name before the host: the link goes to evil.example, whatever it starts with.
+    ('{"id": "b", "text": "t", "url": "https://pubmed.ncbi.nlm.nih.gov@evil.example/1"}', "no user name"),
+    ('{"id": "b", "text": "t", "url": "https://x.org/a\\\\"}', "no backslash"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     good = json.dumps({"id": "a", "text": "Chest X-ray.", "url": "https://x.org/a"})
@@ -293,3 +297,58 @@ def test_real_corpus_subset(tmp_path):
     assert len(found) == 3 and index_dir.is_dir()
     assert all("effusion" in p.text.lower() for p in found)
     assert all(p.url.startswith("https://www.ncbi.nlm.nih.gov/pmc/articles/PMC") and p.license for p in found)
+
+
+# --- a damaged index ---------------------------------------------------------------------------------
+
+def _damaged_copy(config: RetrievalConfig, tmp_path: Path, name: str, damage) -> RetrievalConfig:
+    from dataclasses import replace
+
+    source = Path(config.index_dir) / config.index_name
+    shutil.copytree(source, tmp_path / "idx" / config.index_name)
+    damage(tmp_path / "idx" / config.index_name / name)
+    return replace(config, index_dir=str(tmp_path / "idx"))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 3)])
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("faiss.index", _truncate),
+    ("passages.sqlite", _truncate),
+    ("manifest.json", lambda path: path.write_text("[1, 2]")),
+    ("manifest.json", lambda path: path.write_bytes(b"\xff\xfe garbage")),
+])
+def test_a_damaged_index_is_a_retrieval_error_that_says_to_rebuild_it(config, tmp_path, name, damage):
+    """A file cut short or overwritten: one RetrievalError saying to rebuild, never FAISS's or SQLite's own."""
+    damaged = _damaged_copy(config, tmp_path, name, damage)
+    with pytest.raises(RetrievalError, match="damaged.*rebuild"):
+        Retriever.open(damaged)
+
+
+def test_an_index_damaged_under_a_running_app_fails_its_search_as_a_retrieval_error(config, tmp_path):
+    """The app answers such a question without literature (ui/handlers.py) when its search fails so."""
+    damaged = _damaged_copy(config, tmp_path, "passages.sqlite", lambda path: None)
+    retriever = Retriever.open(damaged)
+    store = Path(damaged.index_dir) / damaged.index_name / "passages.sqlite"
+    store.write_bytes(b"\0" * 4096)
+    with pytest.raises(RetrievalError, match="damaged"):
+        retriever.search("pleural effusion")
+
+
+def test_the_pipeline_opens_without_a_damaged_index_and_says_why(config, tmp_path, tiny_settings):
+    """app.py and `medvqa ask` go on without literature: the page says the index could not be opened, each
+    answer says why it has no sources."""
+    import copy
+
+    from medvqa.pipeline import Conversation, Done, Pipeline
+
+    settings = copy.deepcopy(tiny_settings)
+    settings.retrieval = _damaged_copy(config, tmp_path, "faiss.index", _truncate)
+    pipeline = Pipeline.load(settings, with_retrieval=True)
+    assert pipeline.retriever is None and "damaged" in pipeline.retrieval_unavailable
+    assert pipeline.literature_state() == "off — the literature index could not be opened (the server's log says why)"
+    image = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    done = list(pipeline.ask(Conversation(image=image), "Is there an effusion?", max_new_tokens=2, warm=False))[-1]
+    assert isinstance(done, Done) and done.passages == []

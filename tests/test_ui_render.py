@@ -28,9 +28,43 @@ def test_model_text_is_inert_and_markers_link_to_passages():
     assert '<a class="medvqa-cite" href="https://pubmed.ncbi.nlm.nih.gov/1/"' in rendered  # the [1] marker
     assert "<script>" not in rendered and "&lt;script&gt;" in rendered
     assert "https://evil" not in rendered and "www.evil" not in rendered and "@evil" not in rendered
-    assert "\\[7\\]" in rendered  # a marker with no passage stays text
+    assert "[7: no such source]" in rendered  # a number with no passage behind it says so
     assert "javascript:" not in rendered.split("<details>")[0].split("T2")[0] and "T2" in rendered
     assert "Effusion &#60;b&#62;text&#60;/b&#62; &#38; more" in rendered  # passage text: safe_text.inert
+
+
+def test_markers_link_only_to_passages_the_model_read():
+    """[n, m] with one passage behind it links that one and says the other has none; beside an answer whose
+    passages were found after it (related literature, not read), no marker is a link."""
+    from medvqa.retrieval import Passage
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+
+    passages = [Passage("p1", "Effusion", "https://pubmed.ncbi.nlm.nih.gov/1/", "T1", "", "", 1.0),
+                Passage("p2", "Other", "https://pubmed.ncbi.nlm.nih.gov/2/", "T2", "", "", 0.5)]
+    read = _render_answer(_Answer("q", scan=None, passages=passages, text="Yes [2, 9] and [0]."), final=True)
+    body = read.split('<div class="medvqa-sources')[0]
+    assert re.findall(r'href="([^"]+)"', body) == ["https://pubmed.ncbi.nlm.nih.gov/2/"]
+    assert "9: no such source]" in body and "[0: no such source]" in body
+    related = _render_answer(_Answer("q", scan=None, passages=passages, text="Yes [1].", in_prompt=False), final=True)
+    assert "medvqa-cite" not in related and "\\[1\\]" in related.split('<div class="medvqa-sources')[0]
+
+
+def test_a_source_on_another_site_says_where_its_link_goes():
+    """A corpus may link anywhere: a source whose link is not PubMed's or PMC's names its host (a look-alike
+    host included); a link with a user name before its host is no link at all."""
+    from medvqa.retrieval import Passage
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+
+    passages = [Passage("p1", "A", "https://pubmed.ncbi.nlm.nih.gov/1/", "T1", "", "", 1.0),
+                Passage("p2", "B", "https://pubmed.ncbi.nlm.nih.gov.evil.example/2/", "T2", "", "", 0.9),
+                Passage("p3", "C", "https://pubmed.ncbi.nlm.nih.gov@evil.example/3/", "T3", "", "", 0.8)]
+    rendered = _render_answer(_Answer("q", scan=None, passages=passages, text="Yes"), final=True)
+    items = rendered.split('<li ')[1:]
+    assert "link to" not in items[0]
+    assert "link to pubmed.ncbi.nlm.nih.gov.evil.example" in items[1].replace("&#46;", ".")
+    assert "href" not in items[2] and "evil" not in items[2]
 
 
 HOSTILE_ID = "<img src=x onerror=alert(1)>"

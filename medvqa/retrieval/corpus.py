@@ -16,6 +16,7 @@ from pathlib import Path
 
 from medvqa.retrieval.errors import RetrievalError
 from medvqa.retrieval.sanitize import sanitize_text
+from medvqa.safe_text import safe_url
 
 REQUIRED_FIELDS = ("id", "text", "url")
 DISPLAY_FIELDS = ("title", "license", "source")
@@ -100,8 +101,9 @@ def _parse_line(raw: bytes, path: Path, line_number: int) -> dict:
         raise RetrievalError(f"{where}: `id` {row['id'][:80]!r} may only hold letters, digits and . _ - / "
                              f"(starting with a letter or digit, at most 128 characters).")
     url = str(row["url"]).strip()
-    if not _URL.match(url):
-        raise RetrievalError(f"{where}: `url` must be an http(s) link a clinician can open, got {url[:80]!r}.")
+    if not _URL.match(url) or not safe_url(url):
+        raise RetrievalError(f"{where}: `url` must be an http(s) link a clinician can open (a host, no user name "
+                             f"before it, no backslash), got {url[:80]!r}.")
     row["url"] = url
     return row
 

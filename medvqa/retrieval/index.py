@@ -117,9 +117,13 @@ def read_manifest(index_dir: Path) -> dict:
         raise IndexMissingError(f"No retrieval index at {index_dir}. "
                                 + how_to_build(str(index_dir.parent), index_dir.name))
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
         raise RetrievalError(f"The manifest {path} is damaged ({error}); rebuild the index.") from None
+    if not isinstance(manifest, dict) or not all(key in manifest for key in ("count", "dimension", "format")):
+        raise RetrievalError(f"The manifest {path} is damaged (not an object with `count`, `dimension` and "
+                             "`format`); rebuild the index.")
+    return manifest
 
 
 def check_embedder(manifest: dict, embedder: str, passage_embedder: str, pooling: str, where: Path,
@@ -276,6 +280,9 @@ def _store_passages(corpus_files, store: PassageStore, model, max_tokens: int, c
             else:
                 duplicates += 1
         bar.close()
+        if duplicates and progress:  # kept in the manifest too (files[].duplicates_skipped)
+            print(f"{Path(path).name}: skipped {duplicates:,} passage(s) whose id is already in the index "
+                  "(the first text given for an id is kept).", file=sys.stderr)
         store.commit()
         state["files"].append({"path": stats.path, "sha256": stats.sha256, "lines": stats.lines,
                                "passages": row - first_row, "duplicates_skipped": duplicates,

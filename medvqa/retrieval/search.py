@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sqlite3
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,25 @@ class Ranking:
     bm25: list[int] = field(default_factory=list)
     bm25_scores: list[float] = field(default_factory=list)
     fused: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)  # (row, score, ranks)
+
+
+_OPEN_DAMAGE = (OSError, RuntimeError, sqlite3.Error, ValueError, KeyError, TypeError, EOFError)
+_SEARCH_DAMAGE = (OSError, sqlite3.Error)  # a file changed under a running app (FAISS's index is in memory)
+
+
+@contextlib.contextmanager
+def _damage_said(index_dir: Path, kinds: tuple[type[BaseException], ...] = _OPEN_DAMAGE):
+    """Reading an index's files: what FAISS, SQLite, NumPy or the BM25 files raise for a file that is cut
+    short, emptied or not what it should be becomes a RetrievalError that says to rebuild the index (the app
+    then answers without literature, and says why)."""
+    try:
+        yield
+    except RetrievalError:
+        raise
+    except kinds as error:
+        raise RetrievalError(f"The index at {index_dir} is damaged ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:160] if str(error) else 'unreadable'}); rebuild it with "
+                             "scripts/build_index.py --overwrite.") from None
 
 
 class Retriever:
@@ -114,21 +134,28 @@ class Retriever:
         if embedder.dimension != manifest["dimension"]:
             raise RetrievalError(f"The embedder {config.embedder!r} gives {embedder.dimension}-dim vectors but the "
                                  f"index at {index_dir} holds {manifest['dimension']}-dim ones.")
-        index = _open_faiss(index_dir, manifest, config)
-        store = PassageStore(index_dir / STORE_FILE, read_only=True)
-        sparse = SparseIndex.load(index_dir / BM25_DIR)
-        counts = {"manifest": manifest["count"], "faiss": index.ntotal, "bm25": sparse.num_docs, "store": len(store)}
+        with _damage_said(index_dir):  # a file cut short or overwritten: one message, not a library's traceback
+            index = _open_faiss(index_dir, manifest, config)
+            store = PassageStore(index_dir / STORE_FILE, read_only=True)
+            sparse = SparseIndex.load(index_dir / BM25_DIR)
+            counts = {"manifest": manifest["count"], "faiss": index.ntotal, "bm25": sparse.num_docs,
+                      "store": len(store)}
         if len(set(counts.values())) != 1:
             raise RetrievalError(f"The index at {index_dir} is inconsistent ({counts}); rebuild it with "
                                  f"scripts/build_index.py --overwrite.")
         cross_encoder = load_cross_encoder(config.cross_encoder, config.device) if config.cross_encoder else None
-        return cls(config, index_dir, manifest, index, sparse, store, embedder, cross_encoder)
+        with _damage_said(index_dir):
+            return cls(config, index_dir, manifest, index, sparse, store, embedder, cross_encoder)
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
 
     def search(self, query: str, k: int | None = None, safe_meta: dict[str, str] | None = None) -> list[Passage]:
         """The `k` (default `top_k`) passages that best ground an answer to `query`; may be fewer, or none."""
+        with _damage_said(self.index_dir, _SEARCH_DAMAGE):
+            return self._search(query, k, safe_meta)
+
+    def _search(self, query: str, k: int | None, safe_meta: dict[str, str] | None) -> list[Passage]:
         k = self.config.top_k if k is None else int(k)
         if k <= 0:
             return []

@@ -17,7 +17,7 @@ from ..answer_head import open_note
 from ..confidence import held_out_text
 from ..open_choices import choice_note
 from ..presuppose import reading_text
-from ..safe_text import inert, safe_url, visible
+from ..safe_text import inert, other_host, safe_url, visible
 
 if TYPE_CHECKING:
     from ..injection import InjectionFinding
@@ -51,14 +51,16 @@ def _link(url: str, label: str, css_class: str = "") -> str:
 
 def _render_answer(answer: _Answer, final: bool) -> str:
     """The answer as the chat shows it: escaped text whose [n] markers link to passage n; once
-    `final`, followed by its sources (or why there are none)."""
+    `final`, followed by its sources (or why there are none). Only passages the model read can be cited:
+    beside an answer whose passages were found after it (related literature), a marker stays text; a
+    number with no passage behind it says so."""
     body = _escape_model_text(answer.text.strip()) if answer.text.strip() else ""
-    if answer.passages:
+    if answer.passages and answer.in_prompt:
         def cite(match: re.Match) -> str:
             numbers = [int(n) for n in re.split(r"\s*,\s*", match.group(1))]
-            if not all(1 <= n <= len(answer.passages) for n in numbers):
-                return match.group(0)
-            return "[" + ", ".join(_link(answer.passages[n - 1].url, str(n), "medvqa-cite") for n in numbers) + "]"
+            return "[" + ", ".join(_link(answer.passages[n - 1].url, str(n), "medvqa-cite")
+                                   if 1 <= n <= len(answer.passages) else f"{n}: no such source"
+                                   for n in numbers) + "]"
         body = _MARKER.sub(cite, body)
     if not final:
         return body or _status("Answering…")
@@ -189,7 +191,10 @@ def _sources_html(passages: list[Passage], note: str, in_prompt: bool = True, su
     items = []
     marks = list(support or []) + [None] * (len(passages) - len(support or []))
     for n, (passage, mark) in enumerate(zip(passages, marks), start=1):
-        origin = " · ".join(inert(part) for part in (passage.id, passage.source, passage.license) if inert(part))
+        # A link to a site other than PubMed or PMC says where it goes.
+        host = other_host(passage.url)
+        origin = " · ".join(inert(part) for part in (passage.id, passage.source, passage.license,
+                                                     f"link to {host}" if host else "") if inert(part))
         items.append(
             f'<li value="{n}" class="medvqa-source" data-passage-id="{inert(passage.id)}">'
             f'[{n}] {_link(passage.url, _passage_label(passage), "medvqa-source-link")}'

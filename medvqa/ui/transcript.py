@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..confidence import confidence_text
 from ..imaging import burned_in
-from ..safe_text import inert, safe_url
+from ..safe_text import inert, other_host, safe_url
 from .render import _escape_model_text, dropped_turns_note
 
 if TYPE_CHECKING:
@@ -124,7 +124,9 @@ def _markdown_citation(citation: dict) -> str:
     only when it is a plain http(s) link. A caption has no title: it is named by its collection."""
     label = inert(citation["title"] or citation.get("source") or citation["id"])
     url = safe_url(citation["url"])
-    line = f"{citation['n']}. [{label}](<{url}>) ({inert(citation['id'])})" if url else f"{citation['n']}. {label}"
+    host = f"; link to {inert(other_host(url))}" if other_host(url) else ""  # not PubMed or PMC: where it goes
+    line = (f"{citation['n']}. [{label}](<{url}>) ({inert(citation['id'])}{host})" if url
+            else f"{citation['n']}. {label}")
     text = inert(citation.get("text", ""))
     return f"{line}\n   > {text}" if text else line
 
