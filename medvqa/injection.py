@@ -64,6 +64,15 @@ _ENGLISH = [
     r"\b(?:any|every|each|your|the) (?:summary|summaries|answers?|repl(?:y|ies)|responses?|outputs?)\b.{0,40}?\b"
     r"(?:should|must|shall|mention(?:s|ed)?|says?|states?|include[sd]?|notes?)\b",
     r"\bdo not (?:mention|cite|reveal|tell|disclose|say)\b",
+    # Orders to whoever reads or answers, in the words a paraphrase uses (scripts/redteam.py's, and an audit's).
+    r"\b(?:always|never) (?:answer|reply|respond|say|state|call|report|conclude|describe|diagnose)\b",
+    r"\bwhen(?:ever)? (?:asked|questioned|queried)\b",
+    r"\b(?:whoever|anyone|anybody|everyone|readers?) (?:who )?(?:answers?|answering|summari[sz](?:es|ing)|reads?|"
+    r"reading|describes?|describing|reports?|reporting)\b.{0,60}?\b(?:must|should|shall|has to|have to|needs? to)\b",
+    r"\b(?:make sure|ensure|see to it) (?:that )?(?:the|any|every|each|your) (?:summary|summaries|answers?|"
+    r"repl(?:y|ies)|responses?|reports?)\b",
+    r"^(?:(?:please|kindly|now|always|just|simply|instead|then|also),? )*(?:state|call|answer|describe|report|"
+    r"diagnose|label) (?:that|it|this|the)\b",
 ]
 # The same commands in other languages, matched on fold_case() (the passage's own script kept).
 _OTHER_LANGUAGES = [
