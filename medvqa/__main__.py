@@ -203,16 +203,10 @@ class _StandIn:
 
 
 def _ask(args) -> int:
-    from .confidence import confidence_text
     from .imaging import BURNED_IN_NOTE, ScanError, burned_in, check_preset, open_study, parse_window
-    from .injection import check_answer
     from .language_model import ModelMissingError
-    from .answer_head import open_note
-    from .open_choices import choice_note
-    from .presuppose import reading_text
-    from .pipeline import Done, Pipeline, Sources, Token
+    from .pipeline import Pipeline
     from .projector import ProjectorShapeError
-    from .safe_text import inert, safe_url, visible
 
     try:
         study = open_study(args.image)
@@ -245,17 +239,40 @@ def _ask(args) -> int:
               file=sys.stderr)
     if burned_in(scan.safe_meta):
         print(f"warning: {BURNED_IN_NOTE}", file=sys.stderr)
-    conversation = pipeline.new_conversation(scan)
+    from .retrieval import RetrievalError
+
+    use_retrieval = True
+    while True:
+        try:
+            return _print_answer(pipeline, pipeline.new_conversation(scan), args.question, scan.safe_meta,
+                                 use_retrieval)
+        except RetrievalError as error:  # the index failed under the search: the answer again, without it
+            if not use_retrieval:
+                raise
+            print(f"\nwarning: the literature search failed, answering again without it: {error}", file=sys.stderr)
+            use_retrieval = False
+
+
+def _print_answer(pipeline, conversation, question: str, safe_meta: dict, use_retrieval: bool) -> int:
+    """`medvqa ask`'s output for one answer: its text as it streams, then its notes and sources."""
+    from .answer_head import open_note
+    from .confidence import confidence_text
+    from .injection import check_answer
+    from .open_choices import choice_note
+    from .pipeline import Done, Sources, Token
+    from .presuppose import reading_text
+    from .safe_text import inert, safe_url, visible
+
     mid_line = False  # the answer's last line is not ended yet
     try:
-        for event in pipeline.ask(conversation, args.question, safe_meta=scan.safe_meta):
+        for event in pipeline.ask(conversation, question, safe_meta=safe_meta, use_retrieval=use_retrieval):
             if isinstance(event, Token):
                 print(visible(event.text), end="", flush=True)  # a bidirectional override never reaches the terminal
                 mid_line = True
             elif isinstance(event, Done):
                 if mid_line:
                     print()
-                finding = check_answer(event.answer, event.passages, question=args.question)
+                finding = check_answer(event.answer, event.passages, question=question)
                 if finding is not None:
                     print(f"WARNING: {finding.warning}")
                 if event.confidence_note:

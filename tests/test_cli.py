@@ -127,6 +127,26 @@ def test_ask_on_a_tiny_profile_says_its_answers_mean_nothing(capsys, monkeypatch
     assert "random weights for tests: its answers mean nothing" in capsys.readouterr().err
 
 
+def test_ask_answers_without_literature_when_the_search_fails(capsys, monkeypatch, picture, tiny_pipeline):
+    """An index that fails under the search (a file changed under it): `medvqa ask` says so on one line and
+    answers without sources, not with a traceback."""
+    from medvqa.pipeline import Pipeline
+    from medvqa.retrieval import RetrievalError
+
+    searched = []
+
+    def broken(*args, **kwargs):
+        searched.append(True)
+        raise RetrievalError("The index at /somewhere is damaged; rebuild it.")
+
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: tiny_pipeline))
+    monkeypatch.setattr(tiny_pipeline, "retrieve", broken)
+    assert main(["ask", str(picture), "Is there a mass?", "--profile", "tiny"]) == 0
+    out, err = capsys.readouterr()
+    assert searched and "warning: the literature search failed, answering again without it" in err
+    assert "Traceback" not in err and out.strip()
+
+
 @pytest.mark.parametrize("variable", ["MEDVQA_PROJECTOR__WEIGHTS", "MEDVQA_VISION__NAME_OR_PATH"])
 def test_trained_weights_named_but_missing_are_one_line_not_an_untrained_guess(monkeypatch, capsys, picture,
                                                                               tmp_path, variable):

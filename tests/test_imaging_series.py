@@ -382,6 +382,12 @@ def test_a_multiframe_file_without_positions_keeps_its_stored_order_without_a_wa
     series = open_study(dicom_bytes(make_dicom(frames, RescaleSlope=1, RescaleIntercept=-1024))).series[0]
     assert [slice_shown(series.render(READ_BACK, i)) for i in range(3)] == [3, 1, 2]
     assert series.positions_mm == [None] * 3 and series.warnings == []
+    # An enhanced cine (every frame at one place) or two time points over the same slices: stored order too.
+    for stored_at in ([20, 20, 20], [10, 20, 30, 10, 20, 30]):
+        frames_of = open_study(_enhanced_ct(stored_at)).series[0]
+        assert [slice_shown(frames_of.render(READ_BACK, i)) for i in range(len(stored_at))] == \
+            [z // 10 for z in stored_at]
+        assert frames_of.warnings == [] and frames_of.positions_mm == [None] * len(stored_at)
 
 
 def test_slices_of_another_size_in_a_series_are_said():

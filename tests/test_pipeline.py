@@ -362,7 +362,7 @@ def test_an_answer_says_how_many_earlier_turns_did_not_fit_the_context(tiny_pipe
     assert short.dropped_turns == 0
     scan = SimpleNamespace(frame_index=0, series=None, describe_window=lambda: "")
     answer = _Answer("Is there an effusion?", scan, text=done.answer, dropped_turns=done.dropped_turns)
-    said = f"did not read the conversation's first {done.dropped_turns} turns"
+    said = f"did not read the {done.dropped_turns} oldest earlier turns it would have carried"
     assert said in _render_answer(answer, final=True)
     assert said not in _render_answer(_Answer("q", scan=None, text="Yes"), final=True)
     scan = SimpleNamespace(frame_index=0, series=None, describe_window=lambda: "")

@@ -141,6 +141,7 @@ def test_bidirectional_overrides_are_stripped_from_what_is_shown():
     record = _Answer(question=tricky, scan=scan, text="No \u202eeffusion.").record()
     assert record["question"] == "Is there effusion? left" and record["answer"] == "No effusion."
 
+
 def test_the_login_page_gets_the_script_that_shows_a_refused_try(tmp_path):
     """Gradio's login form shows nothing for a 429: the page the guard serves to a browser not logged in
     carries login.js, which does, with a Content-Length that still matches; other routes pass as they are."""
@@ -174,5 +175,10 @@ def test_the_login_page_gets_the_script_that_shows_a_refused_try(tmp_path):
     assert served.content.index(LOGIN_SCRIPT_TAG) < served.content.index(b"</head>")
     assert int(served.headers["content-length"]) == len(served.content)
     assert b"medvqa-login-note" in LOGIN_SCRIPT_TAG and b"</script>" not in LOGIN_SCRIPT_TAG[:-len(b"</script>")]
+    async def head(app, path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return await client.head(path)
+
+    assert int(anyio.run(head, guard(True), "/").headers["content-length"]) == len(served.content)
     assert anyio.run(run, guard(True), "/config").status_code == 401  # behind the wall, as before
     assert anyio.run(run, guard(False), "/").text == page  # no login set: no login page to add to

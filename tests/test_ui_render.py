@@ -28,7 +28,7 @@ def test_model_text_is_inert_and_markers_link_to_passages():
     assert '<a class="medvqa-cite" href="https://pubmed.ncbi.nlm.nih.gov/1/"' in rendered  # the [1] marker
     assert "<script>" not in rendered and "&lt;script&gt;" in rendered
     assert "https://evil" not in rendered and "www.evil" not in rendered and "@evil" not in rendered
-    assert "[7: no such source]" in rendered  # a number with no passage behind it says so
+    assert "\\[7: no such source\\]" in rendered  # a number with no passage behind it says so
     assert "javascript:" not in rendered.split("<details>")[0].split("T2")[0] and "T2" in rendered
     assert "Effusion &#60;b&#62;text&#60;/b&#62; &#38; more" in rendered  # passage text: safe_text.inert
 
@@ -45,9 +45,25 @@ def test_markers_link_only_to_passages_the_model_read():
     read = _render_answer(_Answer("q", scan=None, passages=passages, text="Yes [2, 9] and [0]."), final=True)
     body = read.split('<div class="medvqa-sources')[0]
     assert re.findall(r'href="([^"]+)"', body) == ["https://pubmed.ncbi.nlm.nih.gov/2/"]
-    assert "9: no such source]" in body and "[0: no such source]" in body
+    assert "9: no such source\\]" in body and "\\[0: no such source\\]" in body
     related = _render_answer(_Answer("q", scan=None, passages=passages, text="Yes [1].", in_prompt=False), final=True)
     assert "medvqa-cite" not in related and "\\[1\\]" in related.split('<div class="medvqa-sources')[0]
+
+
+def test_a_marker_and_a_link_definition_the_model_wrote_make_no_link():
+    """"[7]" with no passage, or "[1]", followed by a line "[7]: https://…" the model wrote: the markers keep
+    their brackets escaped, so Markdown reads no link label, and the page links only to passage 1."""
+    from markdown_it import MarkdownIt
+
+    from medvqa.retrieval import Passage
+    from medvqa.ui.render import _render_answer
+    from medvqa.ui.session import _Answer
+
+    passages = [Passage("p1", "A", "https://pubmed.ncbi.nlm.nih.gov/1/", "T1", "", "", 0.9)]
+    for text in ("See [7].\n\n[7]: https://evil.example/steal", "See [1].\n\n[1]: https://evil.example/steal"):
+        shown = MarkdownIt("commonmark").render(_render_answer(_Answer("q", scan=None, passages=passages, text=text),
+                                                               final=True))
+        assert "evil.example" not in "".join(re.findall(r'href="([^"]+)"', shown)), text
 
 
 def test_a_source_on_another_site_says_where_its_link_goes():

@@ -224,8 +224,9 @@ def _series_of_frames(number: int, source: ScanSource) -> Series:
 def _frames_ordered(file: _Slice) -> tuple[list[_Slice], list[float | None], list[str]]:
     """A multi-frame file's frames in display order, as `_ordered` gives a series' slices. An enhanced
     file's frames are ordered along the slice normal by their own positions (they may be stored in any
-    order, PS3.3 C.7.6.16.2.2); frames without positions (a cine loop, an older multi-frame) stay in stored
-    order, which is then their order in time."""
+    order, PS3.3 C.7.6.16.2.2). Frames that do not make one stack keep their stored order, which is then
+    their order in time, without a warning: frames without positions (an older multi-frame), or frames
+    sharing a position (a cine loop, a series of time points over the same slices)."""
     count = file.source.frame_count
     stored = [_Slice(file.source, frame, None, frame) for frame in range(count)]
     planes = file.placement.frames if file.placement is not None else None
@@ -240,7 +241,7 @@ def _frames_ordered(file: _Slice) -> tuple[list[_Slice], list[float | None], lis
             f"The frames of this file lie in {len(orientations)} different orientations, so they cannot be "
             "ordered by position: they are shown in the order the file stores them, and it may not be a stack."]
     positions = [_position_along_normal(f.placement) for f in frames]
-    if None in positions:
+    if None in positions or min(np.diff(sorted(positions)), default=_SAME_MM) < _SAME_MM:
         return stored, [None] * count, []
     order = sorted(range(count), key=lambda i: (positions[i], i))
     frames = [dataclasses.replace(frames[i], placement=None) for i in order]

@@ -85,9 +85,9 @@ class AccessGuard:
         if scope["type"] == "http" and scope.get("method") == "POST" and path.rstrip("/") in LOGIN_ROUTES:
             await self._login(scope, receive, send)
             return
-        if (self.login_required and scope["type"] == "http" and scope.get("method") == "GET"
+        if (self.login_required and scope["type"] == "http" and scope.get("method") in ("GET", "HEAD")
                 and path.rstrip("/") == "" and not _logged_in(scope)):
-            await self.app(scope, receive, _with_login_script(send))
+            await self.app(scope, receive, _with_login_script(send, head=scope.get("method") == "HEAD"))
             return
         await self.app(scope, receive, send)
 
@@ -138,9 +138,10 @@ class AccessGuard:
             self.uploads.upload_ended(refused=not 200 <= status < 300)
 
 
-def _with_login_script(send: Any) -> Any:
+def _with_login_script(send: Any, head: bool = False) -> Any:
     """`send` for the login page: its HTML gets login.js (what the login form leaves unsaid: a try the
-    throttle refused, and how long to wait) at the end of its head. Any other answer passes as it is."""
+    throttle refused, and how long to wait) at the end of its head. Any other answer passes as it is. A HEAD
+    request's answer has no body: its Content-Length is the page's with the script, as GET sends it."""
     start: dict | None = None
     chunks: list[bytes] = []
 
@@ -149,6 +150,12 @@ def _with_login_script(send: Any) -> Any:
         if message["type"] == "http.response.start":
             headers = dict(message.get("headers", []))
             if message.get("status") == 200 and headers.get(b"content-type", b"").startswith(b"text/html"):
+                if head:
+                    length = int(headers.get(b"content-length", b"0") or 0)
+                    await send({**message, "headers": [*[(k, v) for k, v in message.get("headers", [])
+                                                          if k != b"content-length"],
+                                                        (b"content-length", str(length + len(LOGIN_SCRIPT_TAG)).encode())]})
+                    return
                 start = message  # held until the whole page is read
                 return
             await send(message)

@@ -191,7 +191,8 @@ class _Handlers(_ScanHandlers):
                     # Answer without literature rather than not at all, and say so.
                     log.warning("retrieval failed: %s", error)
                     retrieval_failed = True
-                    answer.note = f"The literature search failed ({_short(error)}), so this answer has no sources."
+                    # (The error names files on the server: its log has it, the chat and the transcript do not.)
+                    answer.note = "The literature search failed (the server's log says why), so this answer has no sources."
                     events = self.pipeline.ask(conversation, answer.question, use_retrieval=False,
                                                safe_meta=session.scan.safe_meta)
                     continue
@@ -411,6 +412,6 @@ def _failure_text(error: BaseException) -> str:
     if isinstance(error, MemoryError):
         return "The model ran out of memory on this question. Try a shorter question or a new conversation."
     if _is_retrieval_error(error):
-        return f"The literature search failed: {_short(error)}"
+        return "The literature search failed (the server's log says why). The app is still running; try again."
     return (f"The model could not answer ({type(error).__name__}). The app is still running; "
             "try again or start a new conversation.")

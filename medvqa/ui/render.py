@@ -58,9 +58,11 @@ def _render_answer(answer: _Answer, final: bool) -> str:
     if answer.passages and answer.in_prompt:
         def cite(match: re.Match) -> str:
             numbers = [int(n) for n in re.split(r"\s*,\s*", match.group(1))]
-            return "[" + ", ".join(_link(answer.passages[n - 1].url, str(n), "medvqa-cite")
-                                   if 1 <= n <= len(answer.passages) else f"{n}: no such source"
-                                   for n in numbers) + "]"
+            # The brackets stay escaped: "[7: …]" or "[1]" followed by "[7]: https://…" in the answer must
+            # not become a Markdown link label with a definition the model wrote.
+            return "\\[" + ", ".join(_link(answer.passages[n - 1].url, str(n), "medvqa-cite")
+                                     if 1 <= n <= len(answer.passages) else f"{n}: no such source"
+                                     for n in numbers) + "\\]"
         body = _MARKER.sub(cite, body)
     if not final:
         return body or _status("Answering…")
@@ -89,9 +91,10 @@ def _render_answer(answer: _Answer, final: bool) -> str:
 
 def dropped_turns_note(count: int) -> str:
     """What an answer says when the prompt left out the conversation's oldest turns (Done.dropped_turns)."""
-    turns = "turn" if count == 1 else f"{count} turns"
-    return (f"This answer did not read the conversation's first {turns}: the conversation no longer fits the "
-            "model's context, which keeps the scan, the question and the latest turns.")
+    # (Of the turns decoder.history_turns has it carry: with N there, the older ones are not read anyway.)
+    turns = "the oldest earlier turn" if count == 1 else f"the {count} oldest earlier turns"
+    return (f"This answer did not read {turns} it would have carried: the model's context holds the scan, the "
+            "question and the latest turns, and no more.")
 
 
 def _confidence_html(closed: dict) -> str:
