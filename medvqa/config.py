@@ -212,6 +212,9 @@ class RetrievalConfig:
     min_topic_score: float = 0.15
     strong_match_score: float = 0.6
     relevance_margin: float = 0.2  # also drop passages scoring this far below the best candidate
+    # A passage is cited only if it holds at least this many words that say something (not stop words, nor
+    # the words of an image's kind: "CT image", "Axial view", "Magnetic resonance imaging." hold none); 0: any.
+    min_passage_words: int = 1
     normalize: bool = True  # L2-normalised vectors (cosine); False: raw inner product, as MedCPT scores
     query_max_tokens: int = 0  # truncate questions at this many tokens (MedCPT's query encoder: 64); 0 = model's
     passage_title: bool = False  # encode passages as [title, text] pairs (MedCPT's article encoder)

@@ -352,3 +352,25 @@ def test_the_pipeline_opens_without_a_damaged_index_and_says_why(config, tmp_pat
     image = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
     done = list(pipeline.ask(Conversation(image=image), "Is there an effusion?", max_new_tokens=2, warm=False))[-1]
     assert isinstance(done, Done) and done.passages == []
+
+
+def test_a_passage_that_says_nothing_is_not_cited(tmp_path):
+    """retrieval.min_passage_words: a caption made only of an image's kind and view ("CT image.") cites
+    nothing, however close its vector, and does not set the relevance cut-off for the rest (the default
+    margin); with 0 it may be cited."""
+    from dataclasses import replace
+
+    from medvqa.retrieval.search import content_words
+
+    assert [content_words(t) for t in ("CT image.", "Axial view", "Magnetic resonance imaging.",
+                                       "Chest CT showing a right pleural effusion.")] == [0, 0, 0, 3]
+    rows = [{"id": "empty", "text": "CT image.", "url": "https://example.org/1"},
+            {"id": "full", "text": "Chest CT image showing a large right pleural effusion.", "url": "https://example.org/2"},
+            {"id": "other", "text": "Knee radiograph with a tibial plateau fracture.", "url": "https://example.org/3"}]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    config = RetrievalConfig(embedder=EMBEDDER, index_dir=str(tmp_path / "index"), index_name="words",
+                             corpus=[str(corpus)], device="cpu", top_k=3, min_dense_score=0.0, min_topic_score=-1.0)
+    ensure_default_index(config, progress=False)
+    cited = [p.id for p in Retriever.open(config).search("Is this a CT image?")]
+    assert "empty" not in cited and "full" in cited
+    assert "empty" in [p.id for p in Retriever.open(replace(config, min_passage_words=0)).search("Is this a CT image?")]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+from bm25s.stopwords import STOPWORDS_EN_PLUS
 
 from medvqa.config import RetrievalConfig
 from medvqa.retrieval.bm25 import STEMMER, SparseIndex
@@ -84,7 +85,7 @@ def _damage_said(index_dir: Path, kinds: tuple[type[BaseException], ...] = _OPEN
     except kinds as error:
         raise RetrievalError(f"The index at {index_dir} is damaged ({type(error).__name__}: "
                              f"{str(error).splitlines()[0][:160] if str(error) else 'unreadable'}); rebuild it with "
-                             "scripts/build_index.py --overwrite.") from None
+                             "scripts/build_index.py --overwrite.") from error  # the library's own words kept
 
 
 class Retriever:
@@ -106,7 +107,8 @@ class Retriever:
         self.thresholds = {name: getattr(config, name) for name in THRESHOLDS}
         self.thresholds.update({name: float(value) for name, value in (manifest.get("thresholds") or {}).items()
                                 if name in THRESHOLDS})
-        centroid = load_vector_sum(index_dir, index)
+        with _damage_said(index_dir):
+            centroid = load_vector_sum(index_dir, index)
         self.centroid = (centroid / max(np.linalg.norm(centroid), 1e-12)).astype(np.float32)  # (d,)
 
     @classmethod
@@ -144,8 +146,7 @@ class Retriever:
             raise RetrievalError(f"The index at {index_dir} is inconsistent ({counts}); rebuild it with "
                                  f"scripts/build_index.py --overwrite.")
         cross_encoder = load_cross_encoder(config.cross_encoder, config.device) if config.cross_encoder else None
-        with _damage_said(index_dir):
-            return cls(config, index_dir, manifest, index, sparse, store, embedder, cross_encoder)
+        return cls(config, index_dir, manifest, index, sparse, store, embedder, cross_encoder)
 
     def __len__(self) -> int:
         return int(self.manifest["count"])
@@ -164,6 +165,13 @@ class Retriever:
             return []
         if self.cross_encoder is not None:
             ranking.fused = self.rerank(sanitize_query(query), ranking.fused)
+        # A passage that says nothing ("CT image.") is no candidate at all: left out before the cut-offs,
+        # which a close but empty caption would otherwise set for the rest.
+        records = self.store.get([row for row, _, _ in ranking.fused])
+        ranking.fused = [entry for entry in ranking.fused if entry[0] in records
+                         and content_words(records[entry[0]]["text"]) >= self.config.min_passage_words]
+        if not ranking.fused:
+            return []
         rows = [row for row, _, _ in ranking.fused]
         vectors = self._vectors(rows)  # (C, d)
         relevance = vectors @ ranking.question_vector  # (C,) score with the bare question (cosine or inner product)
@@ -174,15 +182,12 @@ class Retriever:
         floor = max(cut["min_dense_score"], float(relevance.max()) - cut["relevance_margin"])
         directions = _unit(vectors)  # near-duplicates are judged by cosine whatever the scoring
         relevant = [i for i in range(len(rows)) if relevance[i] >= floor]
-        records = self.store.get([rows[i] for i in relevant])
         kept: list[Passage] = []
         kept_texts: set[str] = set()
         kept_vectors: list[np.ndarray] = []
         for i in relevant:
             row, score, ranks = ranking.fused[i]
-            record = records.get(row)
-            if record is None:
-                continue
+            record = records[row]
             text_key = _normalise(record["text"])
             if text_key in kept_texts or any(float(v @ directions[i]) >= self.config.duplicate_cosine
                                              for v in kept_vectors):
@@ -330,6 +335,26 @@ THRESHOLDS = ("min_dense_score", "min_topic_score", "strong_match_score", "relev
 def _unit(vectors: np.ndarray) -> np.ndarray:
     """Rows scaled to length 1 (unchanged for an embedder that normalises already)."""
     return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+# Words that name an image's kind, view or labels rather than anything in it: a caption made of these and
+# stop words only ("CT (coronal view).", "Anteroposterior view") cites nothing.
+_IMAGE_WORDS = frozenset("""
+    image images imaging scan scans scanned view views plane planes section sections slice slices figure figures
+    fig photo photograph photographs picture pictures film radiograph radiographs radiography radiographic xray ray
+    rays ct cta mri mr mra pet spect ultrasound ultrasonography ultrasonographic sonography sonographic
+    echocardiography computed tomography tomographic magnetic resonance angiography angiogram contrast enhanced
+    non weighted axial coronal sagittal transverse oblique longitudinal lateral frontal anteroposterior
+    posteroanterior showing shows shown show showed demonstrating demonstrates demonstrated reveals revealed
+    revealing seen see arrow arrows arrowhead arrowheads white black asterisk patient case left right""".split())
+_NOT_CONTENT = frozenset(STOPWORDS_EN_PLUS) | _IMAGE_WORDS
+_WORD = re.compile(r"[^\W\d_]\w+")  # a word starting with a letter, in any script
+
+
+def content_words(text: str) -> int:
+    """How many words of `text` say something: three letters or more, not English stop words (bm25s's list)
+    and not `_IMAGE_WORDS`."""
+    return sum(1 for word in _WORD.findall(text.lower()) if len(word) > 2 and word not in _NOT_CONTENT)
 
 
 def _normalise(text: str) -> str:
