@@ -137,3 +137,23 @@ def test_pixel_padding_is_left_out_of_the_automatic_window():
     ranged = make_dicom(stored, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024,
                         PixelPaddingValue=-2000 + 1024, PixelPaddingRangeLimit=-1500 + 1024)
     assert load_scan(dicom_bytes(ranged)).window == padded_window
+
+
+def test_a_ct_with_its_rescale_intercept_alone_is_still_in_hounsfield_units():
+    """Some exporters write Rescale Intercept without Rescale Slope (PS3.3 makes both Type 1): the slope is
+    taken as 1, so the abdomen window shows the same grey levels as for the complete file."""
+    complete = load_scan(ct_from_hu(), window="abdomen").pixels
+    intercept_only = make_dicom(HU + 1024, RescaleIntercept=-1024)
+    np.testing.assert_array_equal(load_scan(dicom_bytes(intercept_only), window="abdomen").pixels, complete)
+
+
+def test_a_padding_value_written_unsigned_for_signed_pixels_still_marks_the_padding():
+    """Pixel Padding Value is US or SS by Pixel Representation; a file writing -2000 as unsigned 63536 for
+    signed pixels means the same value."""
+    y, x = np.mgrid[0:64, 0:64]
+    hu = np.where((y - 32) ** 2 + (x - 32) ** 2 <= 28 ** 2, x * 40 - 1000, -2000)
+    signed = make_dicom(hu + 1024, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024,
+                        PixelPaddingValue=-976)
+    unsigned = make_dicom(hu + 1024, signed=True, bits_stored=16, RescaleSlope=1, RescaleIntercept=-1024)
+    unsigned.add_new("PixelPaddingValue", "US", 65536 - 976)
+    assert load_scan(dicom_bytes(unsigned)).window == load_scan(dicom_bytes(signed)).window

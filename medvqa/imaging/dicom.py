@@ -313,6 +313,13 @@ def _copy_pixel_dataset(ds: Dataset, header: _PixelHeader) -> Dataset:
     for keyword in _PIXEL_KEYWORDS:
         if keyword in ds:
             pixel_ds[keyword] = ds[keyword]
+    # Rescale Slope and Intercept come together (PS3.3 C.11.1.1.2); pydicom applies neither where one is
+    # missing, so a CT that carries its intercept alone, as some exporters write it, would be 1024 off.
+    # The missing one is taken as its identity value, as viewers do.
+    if "RescaleIntercept" in pixel_ds and "RescaleSlope" not in pixel_ds:
+        pixel_ds.RescaleSlope = 1
+    elif "RescaleSlope" in pixel_ds and "RescaleIntercept" not in pixel_ds:
+        pixel_ds.RescaleIntercept = 0
     for keyword in _LUT_SEQUENCES:
         items = ds.get(keyword)
         if items:

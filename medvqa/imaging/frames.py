@@ -164,6 +164,10 @@ def _padding(stored: np.ndarray, ds: Dataset) -> np.ndarray | None:
     value, limit = ds.get("PixelPaddingValue"), ds.get("PixelPaddingRangeLimit")
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         return None
+    if np.issubdtype(stored.dtype, np.signedinteger):  # written as unsigned (US) for signed pixels: two's complement
+        top = np.iinfo(stored.dtype).max
+        value = value - (top + 1) * 2 if value > top else value
+        limit = limit - (top + 1) * 2 if isinstance(limit, (int, np.integer)) and limit > top else limit
     if isinstance(limit, (int, np.integer)) and not isinstance(limit, bool):
         low, high = min(value, limit), max(value, limit)
         mask = (stored >= low) & (stored <= high)
