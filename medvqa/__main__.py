@@ -257,6 +257,7 @@ def _print_answer(pipeline, conversation, question: str, safe_meta: dict, use_re
     """`medvqa ask`'s output for one answer: its text as it streams, then its notes and sources."""
     from .answer_head import open_note
     from .confidence import confidence_text
+    from .engines.openai import RemoteError
     from .injection import check_answer
     from .open_choices import choice_note
     from .pipeline import Done, Sources, Token
@@ -295,7 +296,9 @@ def _print_answer(pipeline, conversation, question: str, safe_meta: dict, use_re
                     print(flush=True)
                     mid_line = False
                 print(f"({event.note})", file=sys.stderr)
-    except ValueError as error:
+    except (ValueError, RemoteError) as error:  # a bad question; a model server that failed (openai engine)
+        if mid_line:
+            print()
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

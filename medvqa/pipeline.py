@@ -143,6 +143,9 @@ class Conversation:
 UNSCORED_CLOSED_NOTE = ("Confidence: not measured. This closed question was answered in free text; "
                         "confidence and abstention need its options scored (decoder.constrained_closed, "
                         "off in this profile as in the model's reference, and an engine that scores them).")
+# ... when options would be scored but the engine gives no scores (a chat-completions server).
+UNSCORED_BY_ENGINE_NOTE = ("Confidence: not measured. This closed question was answered in free text: this "
+                           "engine gives no scores of given answers, which confidence and abstention need.")
 # ... and of an open question answered in free text (not chosen among training answers nor by the answer head).
 FREE_TEXT_NOTE = ("Confidence: not measured. This answer was written freely by the model; how often such answers "
                   "are right was not measured, so treat it as unverified.")
@@ -436,7 +439,8 @@ class Pipeline(ClosedQuestions):
             timings["prompt_tokens"] = len(prompt)
         request = self._request(conversation.image, prompt, conversation.digest, conversation.id)
         closed = None
-        confidence_note = "" if candidates or not options else UNSCORED_CLOSED_NOTE
+        confidence_note = ("" if candidates or not options
+                           else UNSCORED_BY_ENGINE_NOTE if constrained else UNSCORED_CLOSED_NOTE)
         if candidates:
             # Closed question: the best of the options it names (structured output), no free text.
             if presupposed:

@@ -159,3 +159,105 @@ def test_the_image_part_goes_where_the_prompt_puts_the_image():
     after = to_openai_messages([{"role": "user", "content": "Question: Is it normal?\n<image>"}], image)
     assert [part["type"] for part in after[0]["content"]] == ["text", "image_url"]
     assert after[0]["content"][0]["text"] == "Question: Is it normal?"
+
+
+def _engine_answering(status: int, body: bytes, content_type: str = "text/event-stream", headers: dict | None = None,
+                      timeout: float = 5.0) -> OpenAIEngine:
+    """The engine against an httpx transport that answers every request with `status` and `body`."""
+    import httpx
+
+    def answer(request):
+        return httpx.Response(status, headers={"content-type": content_type, **(headers or {})}, content=body)
+
+    return OpenAIEngine(_settings("http://server.test/v1", timeout=timeout).decoder, transport=httpx.MockTransport(answer))
+
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+def _piece(text: str, finish=None) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+
+IMAGE = np.zeros((8, 8, 3), dtype=np.uint8)
+MESSAGES = [{"role": "user", "content": "<image>\nQuestion: x"}]
+
+
+def test_an_answer_the_server_cut_short_is_an_error_not_a_finished_answer():
+    """A stream that ends without finish_reason or [DONE] (a proxy or server that gave up), or a 200 that is not
+    a stream at all (a login page, a server that ignored "stream"): an error, never a short or empty answer."""
+    cut = _engine_answering(200, _sse(_piece("There is a large "), _piece("mass in the")))
+    pieces = []
+    with pytest.raises(RemoteError, match="ended the answer early"):
+        for piece in cut.stream_messages(MESSAGES, IMAGE):
+            pieces.append(piece)
+    assert "".join(pieces) == "There is a large mass in the"
+    for content_type, body in (("application/json", b'{"choices": [{"message": {"content": "Yes"}}]}'),
+                               ("text/html", b"<html>Please log in</html>")):
+        with pytest.raises(RemoteError, match="did not stream an answer"):
+            list(_engine_answering(200, body, content_type).stream_messages(MESSAGES, IMAGE))
+    whole = _engine_answering(200, _sse(_piece("Yes"), _piece(".", finish="stop")))
+    assert "".join(whole.stream_messages(MESSAGES, IMAGE)) == "Yes."
+
+
+def test_empty_choices_are_skipped_and_an_error_event_says_the_answer_is_cut():
+    """The API allows events with no choices (an opening or usage-only event); vLLM reports a failure
+    mid-stream as an error event, whose words go to the log (RemoteError.detail), not the chat."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 5}}
+    fine = _engine_answering(200, _sse(usage, _piece("No"), usage, b"[DONE]"))
+    assert "".join(fine.stream_messages(MESSAGES, IMAGE)) == "No"
+    failing = _engine_answering(200, _sse(_piece("No"), {"error": {"message": "EngineDeadError: CUDA out of memory"}}))
+    with pytest.raises(RemoteError, match="failed while answering") as raised:
+        list(failing.stream_messages(MESSAGES, IMAGE))
+    assert "EngineDeadError" in raised.value.detail and "EngineDeadError" not in str(raised.value)
+
+
+@pytest.mark.parametrize("status, headers, said", [
+    (401, {}, "refused the API key"),
+    (404, {}, "does not know this model"),
+    (429, {"retry-after": "7"}, "is busy \\(HTTP 429\\); try again in 7 s"),
+    (503, {}, "busy or still starting \\(HTTP 503\\); try again shortly"),
+    (502, {}, "failed \\(HTTP 502\\)"),
+])
+def test_a_refusal_says_what_its_status_means_and_keeps_the_servers_page_for_the_log(status, headers, said):
+    page = b"<html><body><h1>" + b"x" * 100_000 + b"</h1></body></html>"
+    with pytest.raises(RemoteError, match=said) as raised:
+        list(_engine_answering(status, page, "text/html", headers).stream_messages(MESSAGES, IMAGE))
+    assert "<html>" not in str(raised.value) and raised.value.detail.startswith("<html>")
+    assert len(raised.value.detail) <= 4096  # the first 4 KB read, not the whole page
+
+
+def test_keep_alive_comments_do_not_hold_an_answer_past_the_timeout():
+    """A server sending only comments (": keep-alive") makes no progress: the answer fails after timeout_s."""
+    import httpx
+
+    def comments():
+        for _ in range(40):
+            time.sleep(0.05)
+            yield b": keep-alive\n\n"
+
+    def answer(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=comments())
+
+    engine = OpenAIEngine(_settings("http://server.test/v1", timeout=0.5).decoder, transport=httpx.MockTransport(answer))
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="did not answer within 0.5 s"):
+        list(engine.stream_messages(MESSAGES, IMAGE))
+    assert time.monotonic() - started < 1.5
+
+
+def test_the_chat_says_a_servers_failure_in_the_engines_words_and_why_a_closed_answer_has_no_confidence(server):
+    """The page shows RemoteError's message (not "could not answer (RemoteError)"), the server's own page
+    staying in the log; a closed question through this engine says the engine gives no scores (the offline
+    profile scores options, so the setting is not why)."""
+    from medvqa.pipeline import UNSCORED_BY_ENGINE_NOTE
+    from medvqa.ui.handlers import _failure_text
+
+    text = _failure_text(RemoteError("The model server at http://x/v1 is busy (HTTP 429); try again in 7 s.",
+                                     detail="<html>busy</html>"))
+    assert text.startswith("The model server at http://x/v1 is busy") and "still running" in text
+    assert "<html>" not in text
+    pipeline = Pipeline.load(_settings(server))
+    done = list(pipeline.ask(Conversation(image=np.zeros((30, 50, 3), np.uint8)), "Is there an effusion?"))[-1]
+    assert done.confidence_note == UNSCORED_BY_ENGINE_NOTE

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import time
 from typing import Callable, ContextManager, Iterator
 
 import httpx
@@ -25,7 +26,26 @@ from .base import Engine, EngineRequest
 
 
 class RemoteError(RuntimeError):
-    """The model server failed; the message says how, in words a user can act on."""
+    """The model server failed; the message says how, in words a user can act on (`detail`, what the server
+    itself said, goes to the log only: an error page may hold anything)."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+# What a status means to whoever runs the app (the server's own body goes to the log).
+_STATUS_HINTS = {
+    400: "refused the request (a prompt longer than the model's context, or a setting it does not take)",
+    401: "refused the API key (set the environment variable decoder.api_key_env names)",
+    403: "refused the API key (set the environment variable decoder.api_key_env names)",
+    404: "does not know this model or route (check decoder.remote_model and decoder.base_url, which ends in /v1)",
+    413: "refused a request this large",
+    429: "is busy",
+    503: "is busy or still starting",
+}
+_MAX_ERROR_BODY = 4096  # bytes of an error answer read, for the log
+_MAX_LINE = 1 << 20  # an event line longer than this is no chat-completions stream
 
 
 def image_data_url(image: np.ndarray, fill: tuple[int, int, int] = (0, 0, 0)) -> str:
@@ -96,39 +116,92 @@ class OpenAIEngine(Engine):
         if self.config.remote_image_token_id >= 0:  # never generate the image token
             body["logit_bias"] = {str(self.config.remote_image_token_id): -100}
         where = self.config.base_url
+        answered = False  # the server has sent a piece of the answer (a failure after it cut the answer short)
         try:
             with contextlib.ExitStack() as stack:
                 with waiting():
                     response = stack.enter_context(self.client.stream("POST", "/chat/completions", json=body))
                     if response.status_code != 200:
-                        detail = response.read().decode("utf-8", "replace")[:300]
-                        raise RemoteError(f"The model server at {where} answered HTTP {response.status_code}: "
-                                          f"{detail}")
+                        raise _status_error(response, where)
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    # A proxy's login page or a server that ignored "stream": no answer, whatever it holds.
+                    raise RemoteError(f"The model server at {where} did not stream an answer (it sent "
+                                      f"{response.headers.get('content-type') or 'no content type'}); is "
+                                      "decoder.base_url the server's /v1 address?")
                 lines = response.iter_lines()
+                last_progress = time.monotonic()
                 while True:
                     with waiting():
                         line = next(lines, None)
-                    if line is None:
-                        return
-                    if not line.startswith("data:"):
+                    if line is None:  # the stream ended before the server said the answer was complete
+                        raise RemoteError(f"The model server at {where} ended the answer early, without saying "
+                                          "it was complete: the answer may be cut short.")
+                    if len(line) > _MAX_LINE:
+                        raise RemoteError(f"The model server at {where} sent a stream event over "
+                                          f"{_MAX_LINE // 1024} KB, which is no chat-completions stream.")
+                    if not line.startswith("data:"):  # a comment (keep-alive) or a blank line: no progress
+                        if time.monotonic() - last_progress > self.config.timeout_s:
+                            raise httpx.ReadTimeout("no answer between keep-alive comments")
                         continue
                     data = line[len("data:"):].strip()
                     if data == "[DONE]":
                         return
-                    try:
-                        choice = json.loads(data)["choices"][0]
-                    except (json.JSONDecodeError, KeyError, IndexError):
-                        raise RemoteError(f"The model server at {where} sent a malformed stream event.") from None
+                    event = _event(data, where)
+                    last_progress = time.monotonic()
+                    choices = event.get("choices")
+                    if not choices:  # a usage-only or opening event (the API allows an empty list)
+                        continue
+                    choice = choices[0] if isinstance(choices[0], dict) else {}
                     piece = (choice.get("delta") or {}).get("content")
-                    if piece:
+                    if isinstance(piece, str) and piece:
+                        answered = True
                         yield piece
                     if choice.get("finish_reason"):
                         return
         except httpx.TimeoutException:
-            raise RemoteError(f"The model server at {where} did not answer within {self.config.timeout_s:g} s.") from None
+            raise RemoteError(f"The model server at {where} did not answer within {self.config.timeout_s:g} s"
+                              + (" (the answer is cut short)." if answered else ".")) from None
         except httpx.TransportError as error:
+            if answered:
+                raise RemoteError(f"The model server at {where} closed the connection before the answer was "
+                                  f"complete ({type(error).__name__}): the answer is cut short.") from None
             raise RemoteError(f"Cannot reach the model server at {where} ({type(error).__name__}). "
                               f"Is it running?") from None
+        except httpx.HTTPError as error:  # e.g. a body that does not decode as its Content-Encoding says
+            raise RemoteError(f"The model server at {where} sent an answer that could not be read "
+                              f"({type(error).__name__}).") from None
 
     def close(self) -> None:
         self.client.close()
+
+
+def _status_error(response: httpx.Response, where: str) -> RemoteError:
+    """A non-200 answer as a RemoteError: what the status means, and the server's own words (its first 4 KB)
+    as the error's detail, for the log."""
+    detail = b""
+    for chunk in response.iter_bytes():
+        detail += chunk
+        if len(detail) >= _MAX_ERROR_BODY:
+            break
+    status = response.status_code
+    hint = _STATUS_HINTS.get(status, "failed")
+    wait = response.headers.get("retry-after", "")
+    retry = f"; try again in {wait} s" if wait.isdigit() else ("; try again shortly" if status in (429, 503) else "")
+    return RemoteError(f"The model server at {where} {hint} (HTTP {status}){retry}.",
+                       detail=detail[:_MAX_ERROR_BODY].decode("utf-8", "replace"))
+
+
+def _event(data: str, where: str) -> dict:
+    """One stream event's JSON; an error event (vLLM reports a failure mid-stream so) as a RemoteError."""
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError:
+        raise RemoteError(f"The model server at {where} sent a malformed stream event.") from None
+    if not isinstance(event, dict):
+        raise RemoteError(f"The model server at {where} sent a malformed stream event.")
+    if event.get("error"):
+        error = event["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise RemoteError(f"The model server at {where} failed while answering: the answer is cut short.",
+                          detail=str(message)[:_MAX_ERROR_BODY])
+    return event

@@ -18,6 +18,7 @@ from typing import Iterator
 import gradio as gr
 
 from ..config import Settings
+from ..engines.openai import RemoteError
 from ..imaging import ScanLimits
 from ..injection import check_answer
 from ..pipeline import Done, Pipeline, Sources, Token
@@ -201,6 +202,8 @@ class _Handlers(_ScanHandlers):
                 self._count_error(_error_kind(error))
                 if not isinstance(error, ValueError):
                     log.exception("answer failed")
+                if getattr(error, "detail", ""):  # what a model server said (RemoteError): the log only
+                    log.warning("the model server said: %s", str(error.detail)[:300])
                 with session.lock:
                     if session.generation != generation:
                         return
@@ -413,5 +416,7 @@ def _failure_text(error: BaseException) -> str:
         return "The model ran out of memory on this question. Try a shorter question or a new conversation."
     if _is_retrieval_error(error):
         return "The literature search failed (the server's log says why). The app is still running; try again."
+    if isinstance(error, RemoteError):  # the openai engine's words, written for whoever runs the app
+        return f"{_short(error)} The app is still running."
     return (f"The model could not answer ({type(error).__name__}). The app is still running; "
             "try again or start a new conversation.")
