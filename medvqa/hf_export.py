@@ -30,6 +30,7 @@ What a server needs to serve it as the reference runs it:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -147,7 +148,22 @@ def export_llava(model: VisionLanguageModel, decoder: LanguageModel, out_dir: st
                                vision_feature_select_strategy="default", image_token=IMAGE_PLACEHOLDER,
                                num_additional_image_tokens=1, chat_template=chat_template)
     processor.save_pretrained(out_dir)
+    _loadable_by_transformers_4(Path(out_dir) / "tokenizer_config.json")
     return out_dir
+
+
+def _loadable_by_transformers_4(config_path: Path) -> None:
+    """transformers 5 names a tokenizer loaded from tokenizer.json alone "TokenizersBackend", a class that
+    transformers 4 (which a vLLM or SGLang install may pin) does not have; "PreTrainedTokenizerFast" reads
+    the same tokenizer.json in both, to the same ids. The keys of how this folder was loaded go too."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _with_vocab(language, vocab: int):

@@ -295,6 +295,14 @@ def test_the_export_is_one_servers_load(llava_pipeline, llava_settings, tmp_path
     rendered = Template(template).render(bos_token="<s>", messages=[
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}])
     assert rendered == "<s>" + llava_pipeline.prompts.build(QUESTION).text
+    # A tokenizer class transformers 4 also has (a vLLM or SGLang install may pin it; "TokenizersBackend" is
+    # transformers 5's alone), tokenising as the app's tokenizer does; no keys of how the folder was loaded.
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] != "TokenizersBackend"
+    assert not {"is_local", "local_files_only"} & set(tokenizer_config)
+    exported = AutoTokenizer.from_pretrained(folder)
+    text = llava_pipeline.prompts.build(QUESTION).text
+    assert exported(text).input_ids == llava_pipeline.engine.language_model.tokenizer(text).input_ids
 
 
 def test_the_exported_processor_pads_a_non_square_image_as_the_app(llava_pipeline, tmp_path):
