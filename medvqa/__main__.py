@@ -300,6 +300,8 @@ def _print_answer(pipeline, conversation, question: str, safe_meta: dict, use_re
         if mid_line:
             print()
         print(f"error: {error}", file=sys.stderr)
+        if getattr(error, "detail", ""):  # what the server itself said, as the app's log has it
+            print(f"(the model server said: {str(error.detail)[:4096]!r})", file=sys.stderr)
         return 2
     return 0
 

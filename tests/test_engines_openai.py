@@ -261,3 +261,65 @@ def test_the_chat_says_a_servers_failure_in_the_engines_words_and_why_a_closed_a
     pipeline = Pipeline.load(_settings(server))
     done = list(pipeline.ask(Conversation(image=np.zeros((30, 50, 3), np.uint8)), "Is there an effusion?"))[-1]
     assert done.confidence_note == UNSCORED_BY_ENGINE_NOTE
+
+
+def test_messages_never_show_a_password_in_the_servers_address_and_media_types_are_read_as_such():
+    """decoder.base_url may carry a user name and password: no message shows them. "Text/Event-Stream;
+    charset=utf-8" is an event stream (media types ignore case and parameters)."""
+    import httpx
+
+    def refuse(request):
+        return httpx.Response(401, content=b"no")
+
+    settings = _settings("http://admin:hunter2@server.test/v1?key=secret")
+    engine = OpenAIEngine(settings.decoder, transport=httpx.MockTransport(refuse))
+    with pytest.raises(RemoteError) as raised:
+        list(engine.stream_messages(MESSAGES, IMAGE))
+    assert "hunter2" not in str(raised.value) and "secret" not in str(raised.value)
+    assert "http://server.test/v1" in str(raised.value)
+    upper = _engine_answering(200, _sse(_piece("Yes", finish="stop")), "Text/Event-Stream; charset=utf-8")
+    assert "".join(upper.stream_messages(MESSAGES, IMAGE)) == "Yes"
+
+
+def test_stream_lines_end_with_cr_lf_or_crlf_and_a_line_that_never_ends_is_refused_early():
+    import httpx
+
+    crlf = _engine_answering(200, b'data: {"choices": [{"delta": {"content": "A"}}]}\r\n\r\n'
+                                  b'data: {"choices": [{"delta": {"content": "B"}, "finish_reason": "stop"}]}\r\r')
+    assert "".join(crlf.stream_messages(MESSAGES, IMAGE)) == "AB"
+    sent = []
+
+    def endless():
+        for _ in range(64):
+            sent.append(1)
+            yield b"x" * 65536  # 4 MB in all, never a line end
+
+    def answer(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=endless())
+
+    engine = OpenAIEngine(_settings("http://server.test/v1").decoder, transport=httpx.MockTransport(answer))
+    with pytest.raises(RemoteError, match="over 1024 KB"):
+        list(engine.stream_messages(MESSAGES, IMAGE))
+    assert len(sent) <= 17  # refused once past 1 MB, not after reading the whole line
+
+
+def test_a_stream_the_server_stops_or_drops_before_any_answer_says_so():
+    """finish_reason "abort" (the server gave the answer up) is not a complete answer; a connection dropped
+    after the server answered 200 is not "Cannot reach … Is it running?"."""
+    import httpx
+
+    aborted = _engine_answering(200, _sse(_piece("There is a", finish="abort")))
+    with pytest.raises(RemoteError, match="stopped the answer \\(abort\\)"):
+        list(aborted.stream_messages(MESSAGES, IMAGE))
+
+    def broken():
+        yield b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+    def answer(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=broken())
+
+    engine = OpenAIEngine(_settings("http://server.test/v1").decoder, transport=httpx.MockTransport(answer))
+    with pytest.raises(RemoteError, match="closed the connection before the answer was complete") as raised:
+        list(engine.stream_messages(MESSAGES, IMAGE))
+    assert "nothing of the answer came" in str(raised.value) and "Is it running" not in str(raised.value)

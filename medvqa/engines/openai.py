@@ -8,6 +8,7 @@ passages included. Citations still come from our own retrieval, never from the s
 from __future__ import annotations
 
 import base64
+import codecs
 import contextlib
 import io
 import json
@@ -115,20 +116,22 @@ class OpenAIEngine(Engine):
         }
         if self.config.remote_image_token_id >= 0:  # never generate the image token
             body["logit_bias"] = {str(self.config.remote_image_token_id): -100}
-        where = self.config.base_url
-        answered = False  # the server has sent a piece of the answer (a failure after it cut the answer short)
+        where = shown_address(self.config.base_url)
+        started = answered = False  # the server answered 200; it has sent a piece of the answer
         try:
             with contextlib.ExitStack() as stack:
                 with waiting():
                     response = stack.enter_context(self.client.stream("POST", "/chat/completions", json=body))
                     if response.status_code != 200:
                         raise _status_error(response, where)
-                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                started = True
+                media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                if media_type != "text/event-stream":
                     # A proxy's login page or a server that ignored "stream": no answer, whatever it holds.
                     raise RemoteError(f"The model server at {where} did not stream an answer (it sent "
                                       f"{response.headers.get('content-type') or 'no content type'}); is "
                                       "decoder.base_url the server's /v1 address?")
-                lines = response.iter_lines()
+                lines = _lines(response.iter_bytes(), where)
                 last_progress = time.monotonic()
                 while True:
                     with waiting():
@@ -136,9 +139,6 @@ class OpenAIEngine(Engine):
                     if line is None:  # the stream ended before the server said the answer was complete
                         raise RemoteError(f"The model server at {where} ended the answer early, without saying "
                                           "it was complete: the answer may be cut short.")
-                    if len(line) > _MAX_LINE:
-                        raise RemoteError(f"The model server at {where} sent a stream event over "
-                                          f"{_MAX_LINE // 1024} KB, which is no chat-completions stream.")
                     if not line.startswith("data:"):  # a comment (keep-alive) or a blank line: no progress
                         if time.monotonic() - last_progress > self.config.timeout_s:
                             raise httpx.ReadTimeout("no answer between keep-alive comments")
@@ -156,15 +156,19 @@ class OpenAIEngine(Engine):
                     if isinstance(piece, str) and piece:
                         answered = True
                         yield piece
+                    if choice.get("finish_reason") in ("abort", "error"):  # the server gave the answer up
+                        raise RemoteError(f"The model server at {where} stopped the answer "
+                                          f"({choice['finish_reason']}): the answer is cut short.")
                     if choice.get("finish_reason"):
                         return
         except httpx.TimeoutException:
             raise RemoteError(f"The model server at {where} did not answer within {self.config.timeout_s:g} s"
                               + (" (the answer is cut short)." if answered else ".")) from None
         except httpx.TransportError as error:
-            if answered:
+            if started:
+                cut = "the answer is cut short" if answered else "nothing of the answer came"
                 raise RemoteError(f"The model server at {where} closed the connection before the answer was "
-                                  f"complete ({type(error).__name__}): the answer is cut short.") from None
+                                  f"complete ({type(error).__name__}): {cut}.") from None
             raise RemoteError(f"Cannot reach the model server at {where} ({type(error).__name__}). "
                               f"Is it running?") from None
         except httpx.HTTPError as error:  # e.g. a body that does not decode as its Content-Encoding says
@@ -173,6 +177,40 @@ class OpenAIEngine(Engine):
 
     def close(self) -> None:
         self.client.close()
+
+
+def shown_address(base_url: str) -> str:
+    """The server's address as messages show it: scheme, host, port and path, never a user name, password
+    or query a URL may carry."""
+    try:
+        url = httpx.URL(base_url)
+        return str(url.copy_with(userinfo=b"", query=None, fragment=None)) if url.host else base_url.split("@")[-1]
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return "(the address in decoder.base_url)"
+
+
+def _lines(chunks: Iterator[bytes], where: str) -> Iterator[str]:
+    """The stream's lines (ended by CR, LF or CRLF, as an event stream's may be), read from its bytes so that a
+    line never ending cannot fill the memory: past _MAX_LINE it is an error."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    buffer = ""
+    for chunk in chunks:
+        buffer += decoder.decode(chunk)
+        while True:
+            end = min((i for i in (buffer.find("\r"), buffer.find("\n")) if i >= 0), default=-1)
+            if end < 0 or (buffer[end] == "\r" and end == len(buffer) - 1):  # a CR may be half of a CRLF
+                break
+            line, rest = buffer[:end], buffer[end + 1:]
+            if buffer[end] == "\r" and rest.startswith("\n"):
+                rest = rest[1:]
+            buffer = rest
+            yield line
+        if len(buffer) > _MAX_LINE:
+            raise RemoteError(f"The model server at {where} sent a stream line over {_MAX_LINE // 1024} KB, "
+                              "which is no chat-completions stream.")
+    buffer += decoder.decode(b"", final=True)
+    if buffer:
+        yield buffer.rstrip("\r")
 
 
 def _status_error(response: httpx.Response, where: str) -> RemoteError:

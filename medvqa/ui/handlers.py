@@ -203,7 +203,7 @@ class _Handlers(_ScanHandlers):
                 if not isinstance(error, ValueError):
                     log.exception("answer failed")
                 if getattr(error, "detail", ""):  # what a model server said (RemoteError): the log only
-                    log.warning("the model server said: %s", str(error.detail)[:300])
+                    log.warning("the model server said: %r", str(error.detail)[:4096])  # %r: its newlines forge no lines
                 with session.lock:
                     if session.generation != generation:
                         return
