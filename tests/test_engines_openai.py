@@ -211,6 +211,14 @@ def test_empty_choices_are_skipped_and_an_error_event_says_the_answer_is_cut():
     with pytest.raises(RemoteError, match="failed while answering") as raised:
         list(failing.stream_messages(MESSAGES, IMAGE))
     assert "EngineDeadError" in raised.value.detail and "EngineDeadError" not in str(raised.value)
+    older = _engine_answering(200, _sse(_piece("No"), {"object": "error", "message": "CUDA out of memory"}, b"[DONE]"))
+    with pytest.raises(RemoteError, match="failed while answering") as raised:  # vLLM before 0.10
+        list(older.stream_messages(MESSAGES, IMAGE))
+    assert "CUDA out of memory" in raised.value.detail
+    llama = _engine_answering(200, _sse(_piece("No")) + b'error: {"code": 500, "message": "context shift disabled"}\n\n')
+    with pytest.raises(RemoteError, match="failed while answering") as raised:  # llama.cpp's server
+        list(llama.stream_messages(MESSAGES, IMAGE))
+    assert "context shift disabled" in raised.value.detail
 
 
 @pytest.mark.parametrize("status, headers, said", [

@@ -139,6 +139,9 @@ class OpenAIEngine(Engine):
                     if line is None:  # the stream ended before the server said the answer was complete
                         raise RemoteError(f"The model server at {where} ended the answer early, without saying "
                                           "it was complete: the answer may be cut short.")
+                    if line.startswith("error:"):  # llama.cpp's server reports a failure mid-stream so
+                        raise RemoteError(f"The model server at {where} failed while answering: the answer is "
+                                          "cut short.", detail=line[len("error:"):].strip()[:_MAX_ERROR_BODY])
                     if not line.startswith("data:"):  # a comment (keep-alive) or a blank line: no progress
                         if time.monotonic() - last_progress > self.config.timeout_s:
                             raise httpx.ReadTimeout("no answer between keep-alive comments")
@@ -237,8 +240,8 @@ def _event(data: str, where: str) -> dict:
         raise RemoteError(f"The model server at {where} sent a malformed stream event.") from None
     if not isinstance(event, dict):
         raise RemoteError(f"The model server at {where} sent a malformed stream event.")
-    if event.get("error"):
-        error = event["error"]
+    if event.get("error") or event.get("object") == "error":  # (the second: older vLLM's error events)
+        error = event.get("error") or event
         message = error.get("message") if isinstance(error, dict) else error
         raise RemoteError(f"The model server at {where} failed while answering: the answer is cut short.",
                           detail=str(message)[:_MAX_ERROR_BODY])
