@@ -94,19 +94,14 @@ def safe_url(url: object) -> str:
 
 
 # Where PubMed and PubMed Central records live: a source on any other host has its host shown beside it.
-PUBMED_HOSTS = frozenset({"pubmed.ncbi.nlm.nih.gov", "www.ncbi.nlm.nih.gov", "ncbi.nlm.nih.gov"})
-PMC_HOSTS = frozenset({"pmc.ncbi.nlm.nih.gov", "www.ncbi.nlm.nih.gov", "ncbi.nlm.nih.gov"})
-
-
-def link_host(url: object) -> str:
-    """The host a link opens (lower case), "" for a URL safe_url refuses."""
-    url = safe_url(url)
-    return (urlsplit(url).hostname or "").lower() if url else ""
+LITERATURE_HOSTS = frozenset({"pubmed.ncbi.nlm.nih.gov", "pmc.ncbi.nlm.nih.gov", "www.ncbi.nlm.nih.gov",
+                              "ncbi.nlm.nih.gov"})
 
 
 def other_host(url: object) -> str:
     """The host of a source's link when it is not PubMed's or PMC's (shown beside the source, so a link
     to another site, or to a look-alike such as pubmed.ncbi.nlm.nih.gov.example.org, says where it goes);
     "" for a PubMed or PMC link, or no link."""
-    host = link_host(url)
-    return "" if not host or host in PUBMED_HOSTS | PMC_HOSTS else host
+    url = safe_url(url)
+    host = (urlsplit(url).hostname or "").lower() if url else ""
+    return "" if host in LITERATURE_HOSTS else host

@@ -278,7 +278,8 @@ def _with_size_warning(slices: list[_Slice], positions: list[float | None],
     if len(sizes) > 1:
         (columns, rows), usual = sizes.most_common(1)[0]
         other = len(slices) - usual
-        warnings = [*warnings, f"{other} of the {len(slices)} slices {'differs' if other == 1 else 'differ'} in size from the rest ({columns}×{rows} "
+        differ = "differs" if other == 1 else "differ"
+        warnings = [*warnings, f"{other} of the {len(slices)} slices {differ} in size from the rest ({columns}×{rows} "
                                "pixels): perhaps a localiser or another field of view; each is shown at its own size."]
     return slices, positions, warnings
 
